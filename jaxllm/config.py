@@ -1,0 +1,275 @@
+"""Run configuration: defaults, validation and command-line parsing.
+
+A config file (``configs/*.py``) defines ``get_config()`` returning a ConfigDict built
+on :func:`default_config`. Any field can be overridden on the command line in the
+ml_collections style: ``--config.mesh.tensor=2``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import time
+
+from absl import flags
+from ml_collections import ConfigDict, config_flags
+
+MESH_AXES = ('data', 'fsdp', 'pipe', 'tensor')
+REMAT_POLICIES = ('none', 'full', 'dots')
+ATTENTION_IMPLS = ('xla', 'cudnn')
+DTYPES = ('float32', 'bfloat16')
+DATA_SOURCES = ('text', 'synthetic')
+
+# Which config field sets the size of each logical parameter axis (for error messages).
+AXIS_FIELDS = {
+    'vocab': 'model.vocab_size',
+    'embed': 'model.embed_dim',
+    'heads': 'model.num_heads',
+    'kv_heads': 'model.num_kv_heads',
+    'head_dim': 'model.head_dim',
+    'mlp': 'model.mlp_dim',
+    'layers': 'model.num_layers',
+    'norm': 'model.embed_dim',
+}
+
+
+class ConfigError(ValueError):
+  """A user-facing configuration problem; the message names the field and the fix."""
+
+
+def default_config() -> ConfigDict:
+  """Every field a run can set, with its default. Configs start from this."""
+  c = ConfigDict()
+  # Simulated devices to create when JAX runs on the CPU (0: JAX's default of one).
+  c.cpu_devices = 0
+
+  c.model = ConfigDict(dict(
+      vocab_size=320,
+      embed_dim=128,
+      num_layers=4,
+      num_heads=4,
+      num_kv_heads=4,
+      head_dim=32,
+      mlp_dim=512,
+      rope_theta=10_000.0,
+      # Llama-3 frequency scaling; factor 0 turns it off.
+      rope_scaling=ConfigDict(dict(factor=0.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position=8192)),
+      norm_eps=1e-5,
+      tie_embeddings=False,
+      init_std=0.02,
+      dtype='float32',        # compute dtype of activations and matmuls
+      param_dtype='float32',  # storage dtype of parameters and optimizer state
+      attention='xla',        # 'xla' everywhere, 'cudnn' fused flash attention on NVIDIA GPUs
+      remat='none',           # 'none', 'full', or 'dots' (keep matmul outputs)
+  ))
+
+  # -1 means "whatever is left of the devices"; at most one axis may say so.
+  c.mesh = ConfigDict(dict(data=1, fsdp=-1, pipe=1, tensor=1))
+
+  # Logical axis name -> mesh axes it is split over (empty tuple: replicated).
+  # This table is the one place that binds model axes to the mesh.
+  c.sharding = ConfigDict(dict(rules=ConfigDict(dict(
+      batch=('data', 'fsdp'),
+      seq=(),
+      vocab=('tensor',),
+      embed=('fsdp',),
+      heads=('tensor',),
+      kv_heads=('tensor',),
+      head_dim=(),
+      mlp=('tensor',),
+      layers=(),
+      norm=(),
+      act_embed=(),
+      act_heads=('tensor',),
+      act_kv_heads=('tensor',),
+      act_mlp=('tensor',),
+      act_vocab=('tensor',),
+  ))))
+
+  c.train = ConfigDict(dict(
+      steps=100,
+      log_every=10,
+      seed=0,
+      global_batch=8,      # sequences per optimizer step, over all devices
+      micro_batches=1,     # gradient accumulation: the step runs this many slices in turn
+      peak_flops=0.0,      # peak FLOP/s of one device for MFU; 0: look the device up
+  ))
+
+  c.optim = ConfigDict(dict(
+      lr=3e-4,
+      warmup_steps=10,
+      decay_steps=0,       # cosine decay length; 0: until train.steps
+      min_lr_ratio=0.1,    # final lr = lr * min_lr_ratio
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=0.1,    # not applied to norm scales
+      clip_norm=1.0,       # global gradient norm clip; 0 turns it off
+  ))
+
+  c.data = ConfigDict(dict(
+      source='text',       # 'text': files at data.path; 'synthetic': one fixed random batch
+      path='',             # a text file, a directory, or a glob
+      seq_len=128,
+  ))
+  return c
+
+
+# ----------------------------------------------------------------------------- validation
+
+def resolve_mesh(mesh_cfg: ConfigDict, num_devices: int) -> dict[str, int]:
+  """Mesh axis sizes with a -1 filled in; errors when they do not cover the devices."""
+  sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+  for a, n in sizes.items():
+    if n == 0 or n < -1:
+      raise ConfigError(f'mesh.{a}={n}: an axis size must be a positive integer or -1 (the rest).')
+  fill = [a for a, n in sizes.items() if n == -1]
+  if len(fill) > 1:
+    raise ConfigError(f'mesh: only one axis may be -1, got {", ".join(fill)}; '
+                      'give the others explicit sizes.')
+  known = math.prod(n for n in sizes.values() if n != -1)
+  if fill:
+    if num_devices % known:
+      raise ConfigError(f'mesh: the fixed axes multiply to {known}, which does not divide the '
+                        f'{num_devices} devices in use; change the mesh sizes.')
+    sizes[fill[0]] = num_devices // known
+  product = math.prod(sizes.values())
+  if product != num_devices:
+    shape = '×'.join(f'{a}={n}' for a, n in sizes.items())
+    raise ConfigError(f'mesh: {shape} makes {product} devices but {num_devices} are in use; '
+                      f'choose sizes whose product is {num_devices} (or set one axis to -1).')
+  return sizes
+
+
+def _choice(value, field: str, allowed: tuple[str, ...]):
+  if value not in allowed:
+    raise ConfigError(f'{field}={value!r} is unknown; use one of {", ".join(allowed)}.')
+
+
+def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
+  """Checks the fields against each other and the mesh. Raises ConfigError."""
+  m, t = cfg.model, cfg.train
+  _choice(m.remat, 'model.remat', REMAT_POLICIES)
+  _choice(m.attention, 'model.attention', ATTENTION_IMPLS)
+  _choice(m.dtype, 'model.dtype', DTYPES)
+  _choice(m.param_dtype, 'model.param_dtype', DTYPES)
+  _choice(cfg.data.source, 'data.source', DATA_SOURCES)
+
+  for field in ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads',
+                'head_dim', 'mlp_dim'):
+    if m[field] < 1:
+      raise ConfigError(f'model.{field}={m[field]} must be positive.')
+  if m.head_dim % 2:
+    raise ConfigError(f'model.head_dim={m.head_dim} must be even for rotary embeddings.')
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError(f'model.num_heads={m.num_heads} is not a multiple of '
+                      f'model.num_kv_heads={m.num_kv_heads}; grouped-query attention needs it.')
+
+  if mesh_shape['pipe'] != 1:
+    raise ConfigError(f'mesh.pipe={mesh_shape["pipe"]}: pipeline parallelism is not available '
+                      'in this version; set mesh.pipe=1.')
+
+  for field in ('steps', 'log_every', 'global_batch', 'micro_batches'):
+    if t[field] < 1:
+      raise ConfigError(f'train.{field}={t[field]} must be at least 1.')
+  if cfg.data.seq_len < 1:
+    raise ConfigError(f'data.seq_len={cfg.data.seq_len} must be at least 1.')
+  shards = mesh_shape['data'] * mesh_shape['fsdp']
+  if t.global_batch % (shards * t.micro_batches):
+    raise ConfigError(
+        f'train.global_batch={t.global_batch} is not divisible by data×fsdp×micro_batches = '
+        f'{mesh_shape["data"]}×{mesh_shape["fsdp"]}×{t.micro_batches}; make it a multiple of '
+        f'{shards * t.micro_batches} or change train.micro_batches.')
+
+  rules = cfg.sharding.rules
+  for name, axes in rules.items():
+    if isinstance(axes, str):
+      axes = (axes,)
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+      raise ConfigError(f'sharding.rules.{name}={tuple(axes)} names unknown mesh axes {unknown}; '
+                        f'use {", ".join(MESH_AXES)}.')
+
+
+def flax_rules(rules: ConfigDict) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+  """The rules table in the form flax's `logical_axis_rules` takes."""
+  def one(axes):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return tuple((name, one(axes)) for name, axes in rules.items())
+
+
+# ----------------------------------------------------------------------------- command line
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.')
+_WORKDIR = flags.DEFINE_string('workdir', None,
+                               'Run directory for metrics and logs (default: runs/<config>-<time>).')
+
+
+def _load_config_file(path: str) -> ConfigDict:
+  spec = importlib.util.spec_from_file_location('_jaxllm_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _unknown_override(argv: list[str]) -> str | None:
+  """Names the first --config.a.b override whose field does not exist, with the known ones."""
+  path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), None)
+  if path is None:
+    return None
+  cfg = _load_config_file(path)
+  for arg in argv:
+    if not arg.startswith('--config.'):
+      continue
+    keys = arg[len('--config.'):].split('=', 1)[0].split('.')
+    node, seen = cfg, []
+    for key in keys:
+      if not isinstance(node, ConfigDict) or key not in node:
+        where = '.'.join(seen) or 'the config'
+        fields = ', '.join(sorted(node.keys())) if isinstance(node, ConfigDict) else ''
+        return (f'--config.{".".join(keys)}: unknown config field {key!r} in {where}'
+                + (f'; known fields: {fields}.' if fields else '.'))
+      node, seen = node[key], seen + [key]
+  return None
+
+
+def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
+  """Parses `--config FILE [--config.x.y=v ...] [--workdir DIR]`. Raises ConfigError."""
+  # `--config FILE` and `--config=FILE` are both accepted; normalise to the latter.
+  normalised, i = [argv[0]], 1
+  while i < len(argv):
+    if argv[i] == '--config' and i + 1 < len(argv):
+      normalised.append(f'--config={argv[i + 1]}')
+      i += 2
+    else:
+      normalised.append(argv[i])
+      i += 1
+  config_path = next((a.split('=', 1)[1] for a in normalised if a.startswith('--config=')), None)
+  if config_path is None:
+    raise ConfigError('--config is required: pass a config file, e.g. --config configs/tiny.py.')
+  if not os.path.isfile(config_path):
+    raise ConfigError(f'--config {config_path}: no such file; pass a file from configs/, '
+                      'e.g. configs/tiny.py.')
+  try:
+    flags.FLAGS(normalised)
+    cfg = _CONFIG.value
+  except (AttributeError, KeyError) as e:
+    raise ConfigError(_unknown_override(normalised) or f'bad config override: {e}') from None
+  except flags.Error as e:
+    raise ConfigError(f'{str(e).splitlines()[0]}') from None
+  workdir = _WORKDIR.value or os.path.join(
+      'runs', f'{os.path.splitext(os.path.basename(config_path))[0]}-{time.strftime("%Y%m%d-%H%M%S")}')
+  return cfg, workdir
+
+
+def main_guard(main):
+  """Runs `main(argv)`; a ConfigError becomes one line on stderr and exit status 2."""
+  try:
+    main(sys.argv)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)

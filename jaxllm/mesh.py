@@ -1,0 +1,67 @@
+"""The device mesh, and the binding of logical axis names to its axes.
+
+Model code names axes logically ('batch', 'embed', 'heads', ...). The rules table in
+`cfg.sharding.rules` maps those names to the mesh axes data/fsdp/pipe/tensor; this module
+is the only place that applies it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+from flax import nnx
+from flax.core import spmd
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxllm.config import AXIS_FIELDS, MESH_AXES, ConfigError, flax_rules
+
+
+def make_mesh(shape: dict[str, int], devices=None) -> jax.sharding.Mesh:
+  """A mesh with the four named axes, all compiler-managed (Auto)."""
+  sizes = tuple(shape[a] for a in MESH_AXES)
+  devices = jax.devices() if devices is None else devices
+  return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices[:math.prod(sizes)])
+
+
+@contextlib.contextmanager
+def sharding_context(mesh: jax.sharding.Mesh, rules):
+  """Mesh and logical rules in scope: for creating variables and tracing steps."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(flax_rules(rules)):
+    yield
+
+
+def logical_spec(*names: str | None) -> P:
+  """The mesh PartitionSpec of logical axis names, under the rules in scope."""
+  return spmd.apply_rules(P(*names), None)
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+  """Pins an activation's layout by logical axis names (a hint to the compiler)."""
+  return jax.lax.with_sharding_constraint(x, logical_spec(*names))
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, rules, ndim: int) -> NamedSharding:
+  """Where input batches live: dimension 0 split over the 'batch' rule, the rest replicated."""
+  with nnx.logical_axis_rules(flax_rules(rules)):
+    return NamedSharding(mesh, logical_spec('batch', *([None] * (ndim - 1))))
+
+
+def check_divisible(abstract_state, mesh: jax.sharding.Mesh) -> None:
+  """Every sharded parameter dimension must split evenly over its mesh axes."""
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  for path, var in jax.tree_util.tree_leaves_with_path(abstract_state, is_leaf=is_var):
+    logical = var.get_metadata().get('out_sharding') or ()
+    spec = nnx.get_partition_spec(var).get_value()
+    for dim, axes, name in zip(var.get_value().shape, spec, logical):
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      parts = math.prod(mesh.shape[a] for a in axes)
+      if dim % parts:
+        field = AXIS_FIELDS.get(name, f'the {name!r} axis')
+        split = '×'.join(f'{a}={mesh.shape[a]}' for a in axes)
+        raise ConfigError(
+            f'{field}={dim} does not split evenly over {split} (sharding.rules.{name}, '
+            f'parameter {jax.tree_util.keystr(path)}); make it a multiple of {parts} '
+            f'or change the mesh or sharding.rules.{name}.')

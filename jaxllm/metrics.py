@@ -1,0 +1,94 @@
+"""What a run says about itself: parameter counts, FLOPs per token, MFU, and the writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+from ml_collections import ConfigDict
+from tqdm import tqdm
+
+# Peak dense bf16 FLOP/s of one device, by a substring of `device.device_kind`.
+PEAK_FLOPS = {
+    'H100 PCIe': 756e12,
+    'H100': 989e12,
+    'H200': 989e12,
+    'A100': 312e12,
+    'B200': 2.25e15,
+}
+
+
+def param_counts(m: ConfigDict) -> dict[str, int]:
+  """Parameters of the model, from its config (a test checks this against the model)."""
+  D, N, K, H, F, V, L = (m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim,
+                         m.vocab_size, m.num_layers)
+  per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D
+  embedding = V * D
+  head = 0 if m.tie_embeddings else D * V
+  total = embedding + L * per_layer + D + head
+  return {'total': total, 'embedding': embedding,
+          # The PaLM convention counts the output head (tied or not) but not the input lookup.
+          'flops': total if m.tie_embeddings else total - embedding}
+
+
+def flops_per_token(m: ConfigDict, seq_len: int) -> dict[str, float]:
+  """Training FLOPs per token, forward and backward: 6·N + 12·L·H·Q·T (PaLM appendix B).
+
+  'causal' halves the attention term for the causal mask, as some projects report.
+  Rematerialisation is not counted (that would be hardware FLOPs, not model FLOPs).
+  """
+  dense = 6 * param_counts(m)['flops']
+  attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq_len
+  return {'full': dense + attention, 'causal': dense + attention / 2}
+
+
+def peak_flops(device, override: float = 0.0) -> float | None:
+  """Peak FLOP/s of one device: the override if set, else the table; None if unknown (CPU)."""
+  if override > 0:
+    return override
+  kind = getattr(device, 'device_kind', '')
+  return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+class MetricsLog:
+  """Progress bar on a terminal, a line per logging interval, and `metrics.jsonl`."""
+
+  def __init__(self, workdir: str | None, total_steps: int, enabled: bool = True):
+    self.enabled = enabled
+    self.file = None
+    if enabled and workdir:
+      os.makedirs(workdir, exist_ok=True)
+      self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+    # tqdm hides itself when stderr is not a terminal (logs, CI, subprocesses).
+    self.bar = tqdm(total=total_steps, disable=None if enabled else True, file=sys.stderr,
+                    dynamic_ncols=True, leave=False)
+
+  def info(self, text: str) -> None:
+    if self.enabled:
+      tqdm.write(text, file=sys.stdout)
+
+  def write(self, row: dict, steps_done: int) -> None:
+    if not self.enabled:
+      return
+    if self.file:
+      self.file.write(json.dumps(row) + '\n')
+      self.file.flush()
+    self.bar.update(steps_done)
+    self.bar.set_postfix(loss=f'{row["loss"]:.4f}')
+    parts = [f'step {row["step"]}', f'loss {row["loss"]:.4f}', f'grad_norm {row["grad_norm"]:.3f}',
+             f'lr {row["lr"]:.2e}', f'step_time {row["step_time"]:.3f}s',
+             f'tokens/s {row["tokens_per_sec"]:,.0f}']
+    if 'mfu' in row:
+      parts.append(f'mfu {100 * row["mfu"]:.1f}%')
+    tqdm.write('  '.join(parts), file=sys.stdout)
+
+  def close(self) -> None:
+    self.bar.close()
+    if self.file:
+      self.file.close()
+
+
+def is_logging_process() -> bool:
+  return jax.process_index() == 0

@@ -1,0 +1,193 @@
+"""A Llama-style decoder in Flax NNX, written once for every mesh.
+
+Parameters and main activations carry logical axis names only; `jaxllm.mesh` binds them
+to mesh axes. Shapes are spelled in suffixes: B batch, T sequence, D embed, N query heads,
+K kv heads, H head dim, F mlp hidden, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from ml_collections import ConfigDict, FrozenConfigDict
+
+from jaxllm.mesh import constrain
+
+REMAT = {
+    'full': jax.checkpoint_policies.nothing_saveable,
+    # Keep the outputs of weight matmuls; recompute attention and elementwise work.
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ('norm',), param_dtype)
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ConfigDict) -> jax.Array:
+  """Inverse frequencies [H/2] of the rotary embedding, with optional Llama-3 scaling."""
+  h = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  s = cfg.rope_scaling
+  if s.factor <= 0:
+    return inv_freq
+  # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+  wavelen = 2 * math.pi / inv_freq
+  low_freq_wavelen = s.original_max_position / s.low_freq_factor
+  high_freq_wavelen = s.original_max_position / s.high_freq_factor
+  smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+      s.high_freq_factor - s.low_freq_factor)
+  blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+  return jnp.where(wavelen < high_freq_wavelen, inv_freq,
+                   jnp.where(wavelen > low_freq_wavelen, inv_freq / s.factor, blended))
+
+
+def apply_rope(x_BTnH, positions_BT, inv_freq):
+  """Rotates the two halves of each head (the layout Hugging Face Llama weights use)."""
+  angles = positions_BT[:, :, None, None].astype(jnp.float32) * inv_freq  # [B,T,1,H/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x1, x2 = jnp.split(x_BTnH.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTnH.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention through `jax.nn.dot_product_attention`."""
+
+  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
+    D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    init = nnx.initializers.normal(cfg.init_std)
+    out_init = nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.num_layers))
+    pd = jnp.dtype(cfg.param_dtype)
+    self.wq_DNH = _param(rngs, init, (D, N, H), ('embed', 'heads', 'head_dim'), pd)
+    self.wk_DKH = _param(rngs, init, (D, K, H), ('embed', 'kv_heads', 'head_dim'), pd)
+    self.wv_DKH = _param(rngs, init, (D, K, H), ('embed', 'kv_heads', 'head_dim'), pd)
+    self.wo_NHD = _param(rngs, out_init, (N, H, D), ('heads', 'head_dim', 'embed'), pd)
+    self.cfg = cfg
+
+  def __call__(self, x_BTD, positions_BT):
+    w = lambda p: p[...].astype(self.cfg.dtype)
+    q_BTNH = jnp.einsum('btd,dnh->btnh', x_BTD, w(self.wq_DNH))
+    k_BTKH = jnp.einsum('btd,dkh->btkh', x_BTD, w(self.wk_DKH))
+    v_BTKH = jnp.einsum('btd,dkh->btkh', x_BTD, w(self.wv_DKH))
+    q_BTNH = constrain(q_BTNH, 'batch', 'seq', 'act_heads', None)
+    k_BTKH = constrain(k_BTKH, 'batch', 'seq', 'act_kv_heads', None)
+    v_BTKH = constrain(v_BTKH, 'batch', 'seq', 'act_kv_heads', None)
+    inv_freq = rope_frequencies(self.cfg)
+    q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
+    k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+    o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                          implementation=self.cfg.attention)
+    o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
+    return jnp.einsum('btnh,nhd->btd', o_BTNH, w(self.wo_NHD))
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
+    D, F = cfg.embed_dim, cfg.mlp_dim
+    init = nnx.initializers.normal(cfg.init_std)
+    out_init = nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.num_layers))
+    pd = jnp.dtype(cfg.param_dtype)
+    self.w_gate_DF = _param(rngs, init, (D, F), ('embed', 'mlp'), pd)
+    self.w_up_DF = _param(rngs, init, (D, F), ('embed', 'mlp'), pd)
+    self.w_down_FD = _param(rngs, out_init, (F, D), ('mlp', 'embed'), pd)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BTD):
+    w = lambda p: p[...].astype(self.dtype)
+    gate_BTF = jnp.einsum('btd,df->btf', x_BTD, w(self.w_gate_DF))
+    up_BTF = jnp.einsum('btd,df->btf', x_BTD, w(self.w_up_DF))
+    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, 'batch', 'seq', 'act_mlp')
+    return jnp.einsum('btf,fd->btd', h_BTF, w(self.w_down_FD))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention, then MLP."""
+
+  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
+    pd = jnp.dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BTD, positions_BT):
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT)
+    x_BTD = constrain(x_BTD, 'batch', 'seq', 'act_embed')
+    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    return constrain(x_BTD, 'batch', 'seq', 'act_embed')
+
+
+class Transformer(nnx.Module):
+  """Embedding, a scanned stack of `num_layers` blocks, final norm and output head."""
+
+  def __init__(self, cfg: ConfigDict, *, rngs: nnx.Rngs):
+    cfg = FrozenConfigDict(cfg)  # hashable, so it can live in the static graph
+    self.cfg = cfg
+    V, D = cfg.vocab_size, cfg.embed_dim
+    pd = jnp.dtype(cfg.param_dtype)
+    self.embed_VD = _param(rngs, nnx.initializers.normal(cfg.init_std), (V, D),
+                           ('vocab', 'embed'), pd)
+
+    # One Block with a leading layer axis on every parameter, so the stack runs as a scan.
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    def make_blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(D, cfg.norm_eps, pd, rngs)
+    if not cfg.tie_embeddings:
+      self.head_DV = _param(rngs, nnx.initializers.normal(cfg.init_std), (D, V),
+                            ('embed', 'vocab'), pd)
+
+  def embed(self, tokens_BT):
+    # Gather rows from a whole table (an all-gather under fsdp/tensor, as for any weight):
+    # a lookup into a sharded table makes the compiler replicate the activations instead.
+    table_VD = constrain(self.embed_VD[...], None, None)
+    x_BTD = table_VD[tokens_BT].astype(self.cfg.dtype)
+    return constrain(x_BTD, 'batch', 'seq', 'act_embed')
+
+  def layers(self, x_BTD, positions_BT):
+    """Runs the block stack as one `lax.scan`, rematerialised per the config."""
+    graphdef, stacked = nnx.split(self.blocks)
+
+    def body(x_BTD, layer):
+      return nnx.merge(graphdef, layer)(x_BTD, positions_BT), None
+
+    if self.cfg.remat != 'none':
+      body = jax.checkpoint(body, policy=REMAT[self.cfg.remat], prevent_cse=False)
+    x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
+    return x_BTD
+
+  def logits(self, x_BTD):
+    """Output logits in fp32, whatever the compute dtype."""
+    x_BTD = self.final_norm(x_BTD)
+    if self.cfg.tie_embeddings:
+      w_DV = self.embed_VD[...].T
+    else:
+      w_DV = self.head_DV[...]
+    logits_BTV = jnp.einsum('btd,dv->btv', x_BTD, w_DV.astype(x_BTD.dtype),
+                            preferred_element_type=jnp.float32)
+    return constrain(logits_BTV, 'batch', 'seq', 'act_vocab')
+
+  def __call__(self, tokens_BT, positions_BT=None):
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    return self.logits(self.layers(self.embed(tokens_BT), positions_BT))

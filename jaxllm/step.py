@@ -1,0 +1,92 @@
+"""Training state, loss and the jitted train step with gradient accumulation."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from ml_collections import ConfigDict
+
+from jaxllm.mesh import check_divisible, constrain, sharding_context
+from jaxllm.model import Transformer
+
+
+class TrainState(NamedTuple):
+  step: jax.Array        # optimizer steps taken
+  params: nnx.State      # fp32 master weights, sharded by the rules
+  opt_state: Any         # optax state; moments carry the params' shardings
+
+
+def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules, seed: int):
+  """Creates the train state already sharded (inside jit), never whole on one device.
+
+  Returns the model's graphdef (its static structure), the state and the state's shardings.
+  """
+  def create():
+    params = nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+  with sharding_context(mesh, rules):
+    graphdef, abstract_params = nnx.split(
+        nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
+    check_divisible(abstract_params, mesh)
+    shardings = nnx.get_named_sharding(jax.eval_shape(create), mesh)
+    state = jax.jit(create, out_shardings=shardings)()
+  return graphdef, state, shardings
+
+
+def loss_terms(graphdef, params, batch):
+  """Summed next-token cross-entropy over unmasked targets, and their count (fp32)."""
+  logits_BTV = nnx.merge(graphdef, params)(batch['inputs'])
+  losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch['targets'])
+  mask_BT = batch['mask'].astype(jnp.float32)
+  return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def split_micro_batches(x, micro_batches: int):
+  """[B, ...] -> [M, B/M, ...] where micro-batch m takes rows m, m+M, m+2M, ...
+
+  Each device's contiguous share of B then holds rows of every micro-batch, so the
+  split moves no data between devices.
+  """
+  x = x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
+  return constrain(x, None, 'batch', *([None] * (x.ndim - 2)))
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int):
+  """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch."""
+  grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b), has_aux=True)
+
+  def gradients(params, batch):
+    """Summed gradients, summed loss and token count over the micro-batches, in turn."""
+    param_specs = nnx.get_partition_spec(params)
+    pin = lambda g: jax.lax.with_sharding_constraint(g, param_specs)
+    if micro_batches == 1:
+      (loss_sum, tokens), grads = grad_fn(params, batch)
+      return pin(grads), loss_sum, tokens
+
+    def accumulate(carry, micro_batch):
+      grads, loss_sum, tokens = carry
+      (mb_loss, mb_tokens), mb_grads = grad_fn(params, micro_batch)
+      grads = pin(jax.tree.map(jnp.add, grads, mb_grads))
+      return (grads, loss_sum + mb_loss, tokens + mb_tokens), None
+
+    zeros = pin(jax.tree.map(jnp.zeros_like, params))
+    micro = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
+    carry, _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+    return carry
+
+  def train_step(state: TrainState, batch):
+    grads, loss_sum, tokens = gradients(state.params, batch)
+    tokens = jnp.maximum(tokens, 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(loss=loss_sum / tokens, grad_norm=optax.global_norm(grads),
+                   lr=schedule(state.step))
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  return train_step
