@@ -20,21 +20,33 @@ class TrainState(NamedTuple):
   opt_state: Any         # optax state; moments carry the params' shardings
 
 
-def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules, seed: int):
-  """Creates the train state already sharded (inside jit), never whole on one device.
-
-  Returns the model's graphdef (its static structure), the state and the state's shardings.
-  """
+def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: int):
   def create():
     params = nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+  return create
 
+
+def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules,
+                 seed: int = 0):
+  """The train state as shapes and shardings only: nothing is allocated.
+
+  Returns the model's graphdef (its static structure), the abstract state and its shardings.
+  Raises ConfigError when a sharded dimension does not split evenly over its mesh axes.
+  """
   with sharding_context(mesh, rules):
     graphdef, abstract_params = nnx.split(
         nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     check_divisible(abstract_params, mesh)
-    shardings = nnx.get_named_sharding(jax.eval_shape(create), mesh)
-    state = jax.jit(create, out_shardings=shardings)()
+    abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed))
+    return graphdef, abstract, nnx.get_named_sharding(abstract, mesh)
+
+
+def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules, seed: int):
+  """Creates the train state already sharded (inside jit), never whole on one device."""
+  graphdef, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed)
+  with sharding_context(mesh, rules):
+    state = jax.jit(_create_fn(model_cfg, tx, seed), out_shardings=shardings)()
   return graphdef, state, shardings
 
 
@@ -85,7 +97,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     grads = jax.tree.map(lambda g: g / tokens, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(loss=loss_sum / tokens, grad_norm=optax.global_norm(grads),
+    metrics = dict(loss=loss_sum / tokens, grad_norm=optax.tree.norm(grads),
                    lr=schedule(state.step))
     return TrainState(state.step + 1, params, opt_state), metrics
 

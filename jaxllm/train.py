@@ -33,16 +33,20 @@ class Run:
   graphdef: Any
 
 
-def setup(cfg: ConfigDict) -> Run:
-  """Validates the config against the devices, then builds mesh, data, state and step."""
+def setup(cfg: ConfigDict, devices=None) -> Run:
+  """Validates the config against the devices, then builds mesh, data, state and step.
+
+  `devices`: the devices to run on (default: all of them).
+  """
   cfg = ConfigDict(cfg)  # our own copy: resolving fallbacks below must not leak back
-  mesh_shape = resolve_mesh(cfg.mesh, jax.device_count())
+  devices = jax.devices() if devices is None else devices
+  mesh_shape = resolve_mesh(cfg.mesh, len(devices))
   validate(cfg, mesh_shape)
   if cfg.model.attention == 'cudnn' and jax.default_backend() != 'gpu':
     print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the backend is "
           f"{jax.default_backend()}; using 'xla' attention.")
     cfg.model.attention = 'xla'
-  mesh = make_mesh(mesh_shape)
+  mesh = make_mesh(mesh_shape, devices)
   batches = make_batches(cfg, mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   graphdef, state, shardings = init_state(cfg.model, tx, mesh, cfg.sharding.rules,
@@ -60,9 +64,9 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh) -> str:
   params = metrics.param_counts(m)
   flops = metrics.flops_per_token(m, cfg.data.seq_len)
   micro = t.global_batch // t.micro_batches
-  devices = jax.devices()
+  devices = mesh.devices.flat
   return '\n'.join([
-      f'devices  {len(devices)} × {devices[0].device_kind}   mesh  ' +
+      f'devices  {mesh.size} × {devices[0].device_kind}   mesh  ' +
       ' '.join(f'{a}={n}' for a, n in mesh.shape.items()),
       f'model    {params["total"] / 1e6:,.2f}M parameters ({params["embedding"] / 1e6:,.2f}M '
       f'embedding); {flops["full"] / 1e6:,.1f} MFLOP/token (6N + 12LHQT, full attention), '
@@ -75,9 +79,9 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh) -> str:
   ])
 
 
-def train(cfg: ConfigDict, workdir: str | None = None, run: Run | None = None):
+def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
   """Trains for `cfg.train.steps` steps. Returns the final state and the logged rows."""
-  run = run or setup(cfg)
+  run = setup(cfg, devices)
   cfg, state = run.cfg, run.state
   log = metrics.MetricsLog(workdir, cfg.train.steps, enabled=metrics.is_logging_process())
   log.info(describe(cfg, run.mesh))
@@ -89,7 +93,7 @@ def train(cfg: ConfigDict, workdir: str | None = None, run: Run | None = None):
 
   tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
   flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
-  peak = metrics.peak_flops(jax.devices()[0], cfg.train.peak_flops)
+  peak = metrics.peak_flops(run.mesh.devices.flat[0], cfg.train.peak_flops)
 
   batch = next(run.batches)
   start = time.perf_counter()
@@ -113,7 +117,7 @@ def train(cfg: ConfigDict, workdir: str | None = None, run: Run | None = None):
              'data_time': data_time / len(values),
              'tokens_per_sec': tokens_per_step / step_time}
       if peak:
-        achieved = row['tokens_per_sec'] / jax.device_count() / peak
+        achieved = row['tokens_per_sec'] / run.mesh.size / peak
         row['mfu'] = flops['full'] * achieved
         row['mfu_causal'] = flops['causal'] * achieved
       history.append(row)

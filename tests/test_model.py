@@ -1,0 +1,140 @@
+"""The model against independent references: numpy attention/RoPE, a per-layer loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import small_config
+from jaxllm.metrics import param_counts
+from jaxllm.model import Attention, Transformer, rope_frequencies
+from jaxllm.step import loss_terms
+
+
+def numpy_rope(x, positions, inv_freq):
+  """Rotates pairs (i, i + H/2) by position · inv_freq[i], one pair at a time."""
+  out = x.copy()
+  half = x.shape[-1] // 2
+  for i in range(half):
+    angle = positions * inv_freq[i]
+    a, b = x[..., i], x[..., i + half]
+    out[..., i] = a * np.cos(angle) - b * np.sin(angle)
+    out[..., i + half] = b * np.cos(angle) + a * np.sin(angle)
+  return out
+
+
+def numpy_attention(x, wq, wk, wv, wo, inv_freq):
+  """Causal grouped-query attention written out head by head."""
+  B, T, _ = x.shape
+  N, K, H = wq.shape[1], wk.shape[1], wq.shape[2]
+  pos = np.broadcast_to(np.arange(T), (B, T)).astype(np.float64)
+  q = numpy_rope(np.einsum('btd,dnh->btnh', x, wq), pos[..., None], inv_freq)
+  k = numpy_rope(np.einsum('btd,dkh->btkh', x, wk), pos[..., None], inv_freq)
+  v = np.einsum('btd,dkh->btkh', x, wv)
+  o = np.zeros((B, T, N, H))
+  causal = np.tril(np.ones((T, T), bool))
+  for n in range(N):
+    kv = n // (N // K)
+    scores = np.einsum('bqh,bkh->bqk', q[:, :, n], k[:, :, kv]) / np.sqrt(H)
+    scores = np.where(causal, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o[:, :, n] = np.einsum('bqk,bkh->bqh', p, v[:, :, kv])
+  return np.einsum('btnh,nhd->btd', o, wo)
+
+
+@pytest.mark.parametrize('kv_heads', [1, 2, 4])
+def test_attention_matches_numpy_reference(kv_heads, one_device):
+  cfg = small_config().model
+  cfg.update(num_kv_heads=kv_heads, init_std=0.3)
+  attn = Attention(cfg, nnx.Rngs(1))
+  x = np.random.default_rng(0).normal(size=(2, 12, cfg.embed_dim)).astype(np.float32)
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  got = attn(jnp.asarray(x), positions)
+  w = {k: np.asarray(getattr(attn, k)[...], np.float64)
+       for k in ('wq_DNH', 'wk_DKH', 'wv_DKH', 'wo_NHD')}
+  want = numpy_attention(x.astype(np.float64), w['wq_DNH'], w['wk_DKH'], w['wv_DKH'],
+                         w['wo_NHD'], np.asarray(rope_frequencies(cfg), np.float64))
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_llama3_rope_scaling_matches_formula(one_device):
+  cfg = small_config().model
+  cfg.update(head_dim=128, rope_theta=500_000.0)
+  cfg.rope_scaling.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position=8192)
+  got = np.asarray(rope_frequencies(cfg))
+  # The published recipe, element by element.
+  want = []
+  for i in range(0, 128, 2):
+    freq = 1.0 / 500_000.0 ** (i / 128)
+    wavelen = 2 * np.pi / freq
+    if wavelen < 8192 / 4.0:
+      want.append(freq)
+    elif wavelen > 8192 / 1.0:
+      want.append(freq / 8.0)
+    else:
+      smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+      want.append((1 - smooth) * freq / 8.0 + smooth * freq)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert got[0] == pytest.approx(1.0) and got[-1] < 1.0 / 500_000.0 ** (126 / 128)
+
+
+def _model_and_tokens(**model):
+  cfg = small_config().model
+  cfg.update(**model)
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, cfg.vocab_size)
+  return Transformer(cfg, rngs=nnx.Rngs(0)), tokens
+
+
+def test_scanned_stack_equals_layer_by_layer_loop(one_device):
+  model, tokens = _model_and_tokens(num_layers=3)
+  got = model(tokens)
+  graphdef, stacked = nnx.split(model.blocks)
+  positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
+  x = model.embed(tokens)
+  for i in range(3):
+    layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+    x = layer(x, positions)
+  np.testing.assert_allclose(got, model.logits(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('policy', ['full', 'dots'])
+def test_remat_policies_keep_loss_and_gradients(policy, one_device):
+  model, tokens = _model_and_tokens()
+  batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'mask': jnp.ones(tokens.shape)}
+  graphdef, params = nnx.split(model)
+  remat_model, _ = _model_and_tokens(remat=policy)
+  remat_graphdef = nnx.graphdef(remat_model)
+
+  def grads(gd):
+    return jax.jit(jax.grad(lambda p: loss_terms(gd, p, batch)[0]))(params)
+
+  for a, b in zip(jax.tree.leaves(grads(graphdef)), jax.tree.leaves(grads(remat_graphdef))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_future_tokens_do_not_change_past_logits(one_device):
+  model, tokens = _model_and_tokens()
+  changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 256)
+  before, after = model(tokens), model(changed)
+  np.testing.assert_array_equal(before[:, :10], after[:, :10])
+  assert not np.allclose(before[:, 10:], after[:, 10:])
+
+
+@pytest.mark.parametrize('tied', [False, True])
+def test_param_counts_match_the_model(tied, one_device):
+  model, _ = _model_and_tokens(tie_embeddings=tied)
+  actual = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert param_counts(model.cfg)['total'] == actual
+  assert hasattr(model, 'head_DV') != tied
+
+
+def test_bf16_compute_keeps_fp32_params_and_logits(one_device):
+  model, tokens = _model_and_tokens(dtype='bfloat16')
+  logits = model(tokens)
+  assert logits.dtype == jnp.float32
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model))} == {jnp.dtype('float32')}
+  reference, _ = _model_and_tokens()
+  np.testing.assert_allclose(logits, reference(tokens), atol=0.05)

@@ -1,0 +1,110 @@
+"""Any mesh trains like one device; the sharding it claims is the sharding it has."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import small_config
+from jaxllm.config import resolve_mesh
+from jaxllm.data import make_batches, resolve_files
+from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.train import setup, train
+
+MESHES = {
+    'data8': dict(data=8),
+    'fsdp8': dict(fsdp=8),
+    'tensor4_data2': dict(tensor=4, data=2),
+    'data2_fsdp2_tensor2': dict(data=2, fsdp=2, tensor=2),
+}
+
+
+def assert_params_close(got_tree, want_tree):
+  """Each parameter tensor within 1e-5 relative (in norm) of the reference.
+
+  Norm-wise because Adam divides each element's step by its own gradient scale, so an
+  element whose gradient is ~0 turns reduction-order noise into a change of up to ~lr;
+  the runs below keep lr small for the same reason.
+  """
+  for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
+def text_config(corpus, **mesh):
+  cfg = small_config(**mesh)
+  cfg.data.update(source='text', path=corpus)
+  cfg.optim.lr = 1e-3
+  return cfg
+
+
+@pytest.fixture(scope='module')
+def one_device_run(corpus):
+  """The reference: the same config on a single device."""
+  state, history = train(text_config(corpus), devices=jax.devices()[:1])
+  return jax.device_get(state.params), [row['loss'] for row in history]
+
+
+@pytest.mark.parametrize('mesh', MESHES.values(), ids=MESHES.keys())
+def test_mesh_trains_like_one_device(mesh, corpus, one_device_run):
+  ref_params, ref_losses = one_device_run
+  state, history = train(text_config(corpus, **mesh))
+  losses = [row['loss'] for row in history]
+  assert len(losses) == 3 and losses[-1] < losses[0]
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_params_close(jax.device_get(state.params), ref_params)
+
+
+def test_micro_batches_equal_one_large_batch(corpus):
+  """k micro-batches of b sequences give the update of one batch of k·b."""
+  results = []
+  for micro_batches in (1, 4):
+    cfg = text_config(corpus, data=2, fsdp=2)
+    cfg.train.update(micro_batches=micro_batches, global_batch=16, steps=2)
+    state, history = train(cfg, devices=jax.devices()[:4])
+    results.append((jax.device_get(state.params), [r['loss'] for r in history]))
+  (one_params, one_losses), (acc_params, acc_losses) = results
+  np.testing.assert_allclose(acc_losses, one_losses, rtol=1e-5)
+  assert_params_close(acc_params, one_params)
+
+
+def test_text_batches_follow_the_seed(corpus):
+  """Same seed: same batches on any mesh; another seed: another order."""
+  def first_inputs(seed, **mesh):
+    cfg = text_config(corpus, **mesh)
+    cfg.train.seed = seed
+    mesh = make_mesh(resolve_mesh(cfg.mesh, jax.device_count()))
+    return np.asarray(next(make_batches(cfg, mesh))['inputs'])
+  a = first_inputs(0, fsdp=8)
+  np.testing.assert_array_equal(a, first_inputs(0, data=2, tensor=4))
+  assert not np.array_equal(a, first_inputs(1, fsdp=8))
+  assert len(resolve_files(corpus)) == 12
+
+
+def _shard_shapes(array):
+  return {shard.data.shape for shard in array.addressable_shards}
+
+
+def test_fsdp_splits_params_and_moments_eight_ways():
+  cfg = small_config(fsdp=8)
+  run = setup(cfg)
+  params = run.state.params
+  adam = run.state.opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
+  for tree in (params, adam.mu, adam.nu):
+    wq = tree['blocks']['attn']['wq_DNH'][...]          # [L, D, N, H], D split on fsdp
+    assert _shard_shapes(wq) == {(2, 64 // 8, 8, 8)}
+    w_gate = tree['blocks']['mlp']['w_gate_DF'][...]    # [L, D, F]
+    assert _shard_shapes(w_gate) == {(2, 64 // 8, 128)}
+    assert _shard_shapes(tree['embed_VD'][...]) == {(264, 64 // 8)}
+  with sharding_context(run.mesh, cfg.sharding.rules):
+    hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
+  assert 'all-gather' in hlo
+  assert 'reduce-scatter' in hlo or 'all-reduce' in hlo
+
+
+def test_tensor_splits_heads_and_hidden_units():
+  run = setup(small_config(tensor=4, data=2))
+  blocks = run.state.params['blocks']
+  assert _shard_shapes(blocks['attn']['wq_DNH'][...]) == {(2, 64, 8 // 4, 8)}
+  assert _shard_shapes(blocks['attn']['wk_DKH'][...]) == {(2, 64, 4 // 4, 8)}
+  assert _shard_shapes(blocks['attn']['wo_NHD'][...]) == {(2, 8 // 4, 8, 64)}
+  assert _shard_shapes(blocks['mlp']['w_up_DF'][...]) == {(2, 64, 128 // 4)}
+  assert _shard_shapes(blocks['mlp']['w_down_FD'][...]) == {(2, 128 // 4, 64)}
