@@ -21,6 +21,8 @@ REMAT_POLICIES = ('none', 'full', 'dots')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 DTYPES = ('float32', 'bfloat16')
 DATA_SOURCES = ('text', 'synthetic')
+PIPELINE_SCHEDULES = ('gpipe', 'circular')
+GATHER_MODES = ('step', 'iteration')
 
 # Which config field sets the size of each logical parameter axis (for error messages).
 AXIS_FIELDS = {
@@ -80,7 +82,7 @@ def default_config() -> ConfigDict:
       kv_heads=('tensor',),
       head_dim=(),
       mlp=('tensor',),
-      layers=(),
+      layers=('pipe',),
       norm=(),
       act_embed=(),
       act_heads=('tensor',),
@@ -88,6 +90,17 @@ def default_config() -> ConfigDict:
       act_mlp=('tensor',),
       act_vocab=('tensor',),
   ))))
+
+  # Used when mesh.pipe > 1: the layer stack is split into mesh.pipe stages.
+  c.pipeline = ConfigDict(dict(
+      schedule='gpipe',       # 'gpipe', or 'circular' (stage s holds blocks s, s+S, ...)
+      repeats=1,              # circular: trips of each micro-batch round the stages (R ≥ 2)
+      microbatches=0,         # M; 0: 2 × stages
+      # 'step': all-gather fsdp-split stage weights once per step (more memory, one gather
+      # and one gradient reduce-scatter per step); 'iteration': gather them in every
+      # pipeline iteration (less memory, traffic repeated per micro-batch).
+      gather_weights='step',
+  ))
 
   c.train = ConfigDict(dict(
       steps=100,
@@ -168,10 +181,6 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
     raise ConfigError(f'model.num_heads={m.num_heads} is not a multiple of '
                       f'model.num_kv_heads={m.num_kv_heads}; grouped-query attention needs it.')
 
-  if mesh_shape['pipe'] != 1:
-    raise ConfigError(f'mesh.pipe={mesh_shape["pipe"]}: pipeline parallelism is not available '
-                      'in this version; set mesh.pipe=1.')
-
   for field in ('steps', 'log_every', 'global_batch', 'micro_batches'):
     if t[field] < 1:
       raise ConfigError(f'train.{field}={t[field]} must be at least 1.')
@@ -183,6 +192,8 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
         f'train.global_batch={t.global_batch} is not divisible by data×fsdp×micro_batches = '
         f'{mesh_shape["data"]}×{mesh_shape["fsdp"]}×{t.micro_batches}; make it a multiple of '
         f'{shards * t.micro_batches} or change train.micro_batches.')
+  if mesh_shape['pipe'] > 1:
+    _validate_pipeline(cfg, mesh_shape)
 
   rules = cfg.sharding.rules
   for name, axes in rules.items():
@@ -192,6 +203,39 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
     if unknown:
       raise ConfigError(f'sharding.rules.{name}={tuple(axes)} names unknown mesh axes {unknown}; '
                         f'use {", ".join(MESH_AXES)}.')
+
+
+def pipeline_shape(cfg: ConfigDict, stages: int) -> tuple[int, int]:
+  """(repeats, micro-batches) of the pipeline over `stages` stages."""
+  p = cfg.pipeline
+  return p.repeats, p.microbatches or 2 * stages
+
+
+def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
+  p, S = cfg.pipeline, mesh_shape['pipe']
+  _choice(p.schedule, 'pipeline.schedule', PIPELINE_SCHEDULES)
+  _choice(p.gather_weights, 'pipeline.gather_weights', GATHER_MODES)
+  R, M = pipeline_shape(cfg, S)
+  if p.schedule == 'gpipe' and R != 1:
+    raise ConfigError(f"pipeline.repeats={R} needs pipeline.schedule='circular'; "
+                      'set repeats=1 for gpipe.')
+  if p.schedule == 'circular' and R < 2:
+    raise ConfigError(f"pipeline.repeats={R}: the circular schedule needs repeats ≥ 2 "
+                      "(or use pipeline.schedule='gpipe').")
+  if cfg.model.num_layers % (S * R):
+    raise ConfigError(f'model.num_layers={cfg.model.num_layers} is not divisible by '
+                      f'pipe×repeats = {S}×{R}; change the layers, mesh.pipe or pipeline.repeats.')
+  if M < S:
+    raise ConfigError(f'pipeline.microbatches={M} is smaller than mesh.pipe={S}: stages would '
+                      f'stay idle; use at least {S} (2×{S} or more keeps the bubble small).')
+  slice_rows = cfg.train.global_batch // cfg.train.micro_batches
+  shards = mesh_shape['data'] * mesh_shape['fsdp']
+  if slice_rows % (M * shards):
+    raise ConfigError(
+        f'train.global_batch={cfg.train.global_batch} (÷ train.micro_batches='
+        f'{cfg.train.micro_batches}) is not divisible by pipeline.microbatches×data×fsdp = '
+        f'{M}×{mesh_shape["data"]}×{mesh_shape["fsdp"]}; make it a multiple of '
+        f'{M * shards * cfg.train.micro_batches} or change pipeline.microbatches.')
 
 
 def flax_rules(rules: ConfigDict) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:

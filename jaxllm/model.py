@@ -134,6 +134,17 @@ class Block(nnx.Module):
     return constrain(x_BTD, 'batch', 'seq', 'act_embed')
 
 
+def scan_blocks(graphdef, stacked, x_BTD, positions_BT, remat: str):
+  """Applies the blocks stacked on the leading axis of `stacked`, in order, with `lax.scan`."""
+  def body(x_BTD, layer):
+    return nnx.merge(graphdef, layer)(x_BTD, positions_BT), None
+
+  if remat != 'none':
+    body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
+  x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
+  return x_BTD
+
+
 class Transformer(nnx.Module):
   """Embedding, a scanned stack of `num_layers` blocks, final norm and output head."""
 
@@ -167,14 +178,7 @@ class Transformer(nnx.Module):
   def layers(self, x_BTD, positions_BT):
     """Runs the block stack as one `lax.scan`, rematerialised per the config."""
     graphdef, stacked = nnx.split(self.blocks)
-
-    def body(x_BTD, layer):
-      return nnx.merge(graphdef, layer)(x_BTD, positions_BT), None
-
-    if self.cfg.remat != 'none':
-      body = jax.checkpoint(body, policy=REMAT[self.cfg.remat], prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
-    return x_BTD
+    return scan_blocks(graphdef, stacked, x_BTD, positions_BT, self.cfg.remat)
 
   def logits(self, x_BTD):
     """Output logits in fp32, whatever the compute dtype."""

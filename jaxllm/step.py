@@ -12,6 +12,7 @@ from ml_collections import ConfigDict
 
 from jaxllm.mesh import check_divisible, constrain, sharding_context
 from jaxllm.model import Transformer
+from jaxllm.pipeline import PipelineSpec, pipeline_layers, to_stage_order
 
 
 class TrainState(NamedTuple):
@@ -20,15 +21,18 @@ class TrainState(NamedTuple):
   opt_state: Any         # optax state; moments carry the params' shardings
 
 
-def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: int):
+def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: int,
+               pipeline: PipelineSpec | None):
   def create():
     params = nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+    if pipeline:
+      params = to_stage_order(params, pipeline.stages, pipeline.repeats)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
   return create
 
 
 def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules,
-                 seed: int = 0):
+                 seed: int = 0, pipeline: PipelineSpec | None = None):
   """The train state as shapes and shardings only: nothing is allocated.
 
   Returns the model's graphdef (its static structure), the abstract state and its shardings.
@@ -38,21 +42,33 @@ def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, 
     graphdef, abstract_params = nnx.split(
         nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     check_divisible(abstract_params, mesh)
-    abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed))
+    abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed, pipeline))
     return graphdef, abstract, nnx.get_named_sharding(abstract, mesh)
 
 
-def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules, seed: int):
-  """Creates the train state already sharded (inside jit), never whole on one device."""
-  graphdef, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed)
+def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules, seed: int,
+               pipeline: PipelineSpec | None = None):
+  """Creates the train state already sharded (inside jit), never whole on one device.
+
+  Under a circular pipeline the blocks are stored stage-major (see `jaxllm.pipeline`).
+  """
+  graphdef, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed, pipeline)
   with sharding_context(mesh, rules):
-    state = jax.jit(_create_fn(model_cfg, tx, seed), out_shardings=shardings)()
+    state = jax.jit(_create_fn(model_cfg, tx, seed, pipeline), out_shardings=shardings)()
   return graphdef, state, shardings
 
 
-def loss_terms(graphdef, params, batch):
+def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
   """Summed next-token cross-entropy over unmasked targets, and their count (fp32)."""
-  logits_BTV = nnx.merge(graphdef, params)(batch['inputs'])
+  model = nnx.merge(graphdef, params)
+  tokens_BT = batch['inputs']
+  positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+  x_BTD = model.embed(tokens_BT)
+  if pipeline:
+    x_BTD = pipeline_layers(model.blocks, x_BTD, positions_BT, pipeline, model.cfg.remat)
+  else:
+    x_BTD = model.layers(x_BTD, positions_BT)
+  logits_BTV = model.logits(x_BTD)
   losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch['targets'])
   mask_BT = batch['mask'].astype(jnp.float32)
   return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
@@ -68,9 +84,10 @@ def split_micro_batches(x, micro_batches: int):
   return constrain(x, None, 'batch', *([None] * (x.ndim - 2)))
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int):
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
+                    pipeline: PipelineSpec | None = None):
   """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch."""
-  grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b, pipeline), has_aux=True)
 
   def gradients(params, batch):
     """Summed gradients, summed loss and token count over the micro-batches, in turn."""

@@ -19,6 +19,7 @@ from jaxllm.config import main_guard, parse_command_line, resolve_mesh, validate
 from jaxllm.data import make_batches
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.optim import lr_schedule, make_optimizer
+from jaxllm.pipeline import PipelineSpec, pipeline_spec
 from jaxllm.step import TrainState, init_state, make_train_step
 
 
@@ -31,6 +32,7 @@ class Run:
   train_step: Callable       # jitted (state, batch) -> (state, metrics); state is donated
   batches: Iterator[dict[str, jax.Array]]
   graphdef: Any
+  pipeline: PipelineSpec | None  # None when mesh.pipe == 1
 
 
 def setup(cfg: ConfigDict, devices=None) -> Run:
@@ -49,15 +51,16 @@ def setup(cfg: ConfigDict, devices=None) -> Run:
   mesh = make_mesh(mesh_shape, devices)
   batches = make_batches(cfg, mesh)
   tx = make_optimizer(cfg.optim, cfg.train.steps)
+  pipeline = pipeline_spec(cfg, mesh_shape['pipe'])
   graphdef, state, shardings = init_state(cfg.model, tx, mesh, cfg.sharding.rules,
-                                          cfg.train.seed)
+                                          cfg.train.seed, pipeline)
   step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
-                         cfg.train.micro_batches)
+                         cfg.train.micro_batches, pipeline)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
-  return Run(cfg, mesh, state, train_step, batches, graphdef)
+  return Run(cfg, mesh, state, train_step, batches, graphdef, pipeline)
 
 
-def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh) -> str:
+def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | None) -> str:
   """The derived numbers a user should see before the first step."""
   t, m = cfg.train, cfg.model
   shards = mesh.shape['data'] * mesh.shape['fsdp']
@@ -76,7 +79,12 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh) -> str:
       f'per data×fsdp shard ({shards} shards); {t.micro_batches} micro-batch(es) of {micro} '
       f'({micro // shards} per shard)',
       f'compute  {m.dtype} (params {m.param_dtype}), attention {m.attention}, remat {m.remat}',
-  ])
+  ] + ([
+      f'pipeline {cfg.pipeline.schedule}: S={pipeline.stages} stages × R={pipeline.repeats} '
+      f'repeats, M={pipeline.microbatches} micro-batches of {micro // pipeline.microbatches}, '
+      f'{m.num_layers // (pipeline.stages * pipeline.repeats)} layers per stage visit, '
+      f'bubble (S-1)/(R·M+S-1) = {pipeline.bubble_fraction:.1%}, stage weights gathered '
+      f'once per {cfg.pipeline.gather_weights}'] if pipeline else []))
 
 
 def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
@@ -84,7 +92,7 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
   run = setup(cfg, devices)
   cfg, state = run.cfg, run.state
   log = metrics.MetricsLog(workdir, cfg.train.steps, enabled=metrics.is_logging_process())
-  log.info(describe(cfg, run.mesh))
+  log.info(describe(cfg, run.mesh, run.pipeline))
   if workdir and metrics.is_logging_process():
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, 'config.json'), 'w') as f:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 
 jax.config.update('jax_num_cpu_devices', 8)
 
@@ -19,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def small_config(**mesh):
   """A small fp32 model on a synthetic batch; `mesh` sets axis sizes (the rest are 1)."""
   c = default_config()
-  c.model.update(vocab_size=264, embed_dim=64, num_layers=2, num_heads=8, num_kv_heads=4,
+  c.model.update(vocab_size=264, embed_dim=64, num_layers=4, num_heads=8, num_kv_heads=4,
                  head_dim=8, mlp_dim=128)
   c.mesh.update(data=1, fsdp=1, pipe=1, tensor=1)
   c.mesh.update(**mesh)
@@ -35,6 +36,33 @@ def one_device():
   mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), jax.devices()[:1])
   with sharding_context(mesh, default_config().sharding.rules):
     yield mesh
+
+
+def text_config(corpus, **mesh):
+  """`small_config` reading the test corpus; lr kept small for equivalence checks (see
+  `assert_params_close`)."""
+  cfg = small_config(**mesh)
+  cfg.data.update(source='text', path=corpus)
+  cfg.optim.lr = 1e-3
+  return cfg
+
+
+def assert_params_close(got_tree, want_tree):
+  """Each parameter tensor within 1e-5 relative (in norm) of the reference.
+
+  Norm-wise because Adam divides each element's step by its own gradient scale, so an
+  element whose gradient is ~0 turns reduction-order noise into a change of up to ~lr.
+  """
+  for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
+@pytest.fixture(scope='session')
+def one_device_run(corpus):
+  """The reference for every mesh: `text_config` trained 3 steps on a single device."""
+  from jaxllm.train import train
+  state, history = train(text_config(corpus), devices=jax.devices()[:1])
+  return jax.device_get(state.params), [row['loss'] for row in history]
 
 
 @pytest.fixture(scope='session')

@@ -21,6 +21,16 @@ def test_tiny_config_trains_and_writes_metrics(tmp_path):
   assert json.loads((workdir / 'config.json').read_text())['mesh']['tensor'] == 2
 
 
+def test_tiny_config_trains_with_a_pipeline(tmp_path):
+  workdir = tmp_path / 'run'
+  result = run_cli('--config', 'configs/tiny.py', '--config.mesh.pipe=2', '--config.mesh.fsdp=1',
+                   '--config.train.steps=40', '--config.train.log_every=20', f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'pipeline gpipe: S=2 stages × R=1 repeats, M=4 micro-batches' in result.stdout
+  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
+
+
 BAD_INPUTS = {
     'mesh_product': (['--config.mesh.data=3'], 'mesh'),
     'kv_heads_vs_tensor': (['--config.mesh.data=1', '--config.mesh.fsdp=1',
@@ -34,7 +44,14 @@ BAD_INPUTS = {
     'missing_data': (['--config.data.path=/nonexistent/corpus/*.txt'], 'data.path'),
     'remat_policy': (['--config.model.remat=sometimes'], 'model.remat'),
     'two_fill_axes': (['--config.mesh.data=-1', '--config.mesh.fsdp=-1'], 'mesh'),
-    'pipe': (['--config.mesh.pipe=2', '--config.mesh.data=1'], 'mesh.pipe'),
+    'layers_vs_stages': (['--config.mesh.pipe=8', '--config.mesh.data=1', '--config.mesh.fsdp=1',
+                          '--config.mesh.tensor=1'], 'model.num_layers'),
+    'microbatches_vs_stages': (['--config.mesh.pipe=2', '--config.mesh.fsdp=1',
+                                '--config.pipeline.microbatches=1'], 'pipeline.microbatches'),
+    'pipeline_batch': (['--config.mesh.pipe=2', '--config.mesh.fsdp=1',
+                        '--config.pipeline.microbatches=3'], 'pipeline.microbatches'),
+    'circular_repeats': (['--config.mesh.pipe=2', '--config.mesh.fsdp=1',
+                          '--config.pipeline.schedule=circular'], 'pipeline.repeats'),
 }
 
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_config
+from conftest import assert_params_close, small_config, text_config
 from jaxllm.config import resolve_mesh
 from jaxllm.data import make_batches, resolve_files
 from jaxllm.mesh import make_mesh, sharding_context
@@ -16,31 +16,6 @@ MESHES = {
     'tensor4_data2': dict(tensor=4, data=2),
     'data2_fsdp2_tensor2': dict(data=2, fsdp=2, tensor=2),
 }
-
-
-def assert_params_close(got_tree, want_tree):
-  """Each parameter tensor within 1e-5 relative (in norm) of the reference.
-
-  Norm-wise because Adam divides each element's step by its own gradient scale, so an
-  element whose gradient is ~0 turns reduction-order noise into a change of up to ~lr;
-  the runs below keep lr small for the same reason.
-  """
-  for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
-    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
-
-
-def text_config(corpus, **mesh):
-  cfg = small_config(**mesh)
-  cfg.data.update(source='text', path=corpus)
-  cfg.optim.lr = 1e-3
-  return cfg
-
-
-@pytest.fixture(scope='module')
-def one_device_run(corpus):
-  """The reference: the same config on a single device."""
-  state, history = train(text_config(corpus), devices=jax.devices()[:1])
-  return jax.device_get(state.params), [row['loss'] for row in history]
 
 
 @pytest.mark.parametrize('mesh', MESHES.values(), ids=MESHES.keys())
@@ -90,9 +65,9 @@ def test_fsdp_splits_params_and_moments_eight_ways():
   adam = run.state.opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
   for tree in (params, adam.mu, adam.nu):
     wq = tree['blocks']['attn']['wq_DNH'][...]          # [L, D, N, H], D split on fsdp
-    assert _shard_shapes(wq) == {(2, 64 // 8, 8, 8)}
+    assert _shard_shapes(wq) == {(4, 64 // 8, 8, 8)}
     w_gate = tree['blocks']['mlp']['w_gate_DF'][...]    # [L, D, F]
-    assert _shard_shapes(w_gate) == {(2, 64 // 8, 128)}
+    assert _shard_shapes(w_gate) == {(4, 64 // 8, 128)}
     assert _shard_shapes(tree['embed_VD'][...]) == {(264, 64 // 8)}
   with sharding_context(run.mesh, cfg.sharding.rules):
     hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
@@ -103,8 +78,8 @@ def test_fsdp_splits_params_and_moments_eight_ways():
 def test_tensor_splits_heads_and_hidden_units():
   run = setup(small_config(tensor=4, data=2))
   blocks = run.state.params['blocks']
-  assert _shard_shapes(blocks['attn']['wq_DNH'][...]) == {(2, 64, 8 // 4, 8)}
-  assert _shard_shapes(blocks['attn']['wk_DKH'][...]) == {(2, 64, 4 // 4, 8)}
-  assert _shard_shapes(blocks['attn']['wo_NHD'][...]) == {(2, 8 // 4, 8, 64)}
-  assert _shard_shapes(blocks['mlp']['w_up_DF'][...]) == {(2, 64, 128 // 4)}
-  assert _shard_shapes(blocks['mlp']['w_down_FD'][...]) == {(2, 128 // 4, 64)}
+  assert _shard_shapes(blocks['attn']['wq_DNH'][...]) == {(4, 64, 8 // 4, 8)}
+  assert _shard_shapes(blocks['attn']['wk_DKH'][...]) == {(4, 64, 4 // 4, 8)}
+  assert _shard_shapes(blocks['attn']['wo_NHD'][...]) == {(4, 8 // 4, 8, 64)}
+  assert _shard_shapes(blocks['mlp']['w_up_DF'][...]) == {(4, 64, 128 // 4)}
+  assert _shard_shapes(blocks['mlp']['w_down_FD'][...]) == {(4, 128 // 4, 64)}
