@@ -34,8 +34,26 @@ def sharding_context(mesh: jax.sharding.Mesh, rules):
 
 
 def logical_spec(*names: str | None) -> P:
-  """The mesh PartitionSpec of logical axis names, under the rules in scope."""
-  return spmd.apply_rules(P(*names), None)
+  """The mesh PartitionSpec of logical axis names, under the rules in scope.
+
+  Inside a shard_map only the compiler-managed axes can be named; manual ones are left out.
+  """
+  spec = spmd.apply_rules(P(*names), None)
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  return keep_axes(spec, set(MESH_AXES) - set(manual)) if manual else spec
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def keep_axes(spec: P, keep) -> P:
+  """`spec` naming only the mesh axes in `keep`."""
+  def one(entry):
+    kept = tuple(a for a in spec_axes(entry) if a in keep)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return P(*map(one, spec))
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:

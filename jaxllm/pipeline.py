@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import pipeline_shape
+from jaxllm.config import MESH_AXES, pipeline_shape
+from jaxllm.mesh import keep_axes, logical_spec, spec_axes
 from jaxllm.model import scan_blocks
 
 
@@ -75,36 +76,39 @@ def from_stage_order(tree, stages: int, repeats: int):
   return _blocks_axis(tree, permute) if repeats > 1 else tree
 
 
-def _drop_axis(spec: P, axis: str) -> P:
-  def drop(entry):
-    if entry == axis:
-      return None
-    if isinstance(entry, tuple):
-      kept = tuple(a for a in entry if a != axis)
-      return kept or None
-    return entry
-  return P(*map(drop, spec))
-
-
 def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, spec: PipelineSpec, remat: str):
   """The block stack run as a pipeline; equals `scan_blocks` over the layers in order."""
   S, R, M = spec.stages, spec.repeats, spec.microbatches
   graphdef, stacked = nnx.split(blocks)
+  # The pipeline is manual over 'pipe' and the batch axes (data, fsdp): each device then sums
+  # its weight gradients over all micro-batches locally, and they are reduced across the
+  # batch axes once per step, where they leave the shard_map. 'tensor' stays with the compiler.
+  batch_axes = spec_axes(logical_spec('batch')[0])
+  manual = {'pipe', *batch_axes}
   # Stored stage-major, so [L] -> [S, R, L/(S·R)] keeps each stage's layers where they are.
   staged = jax.tree.map(lambda w: w.reshape(S, R, -1, *w.shape[1:]), stacked)
+  staged_specs = jax.tree.map(lambda s: P(s[0], None, None, *s[1:]),
+                              nnx.get_partition_spec(stacked))
   if spec.gather_weights == 'step':
-    layer_specs = nnx.get_partition_spec(stacked)
-    staged = jax.tree.map(
-        lambda w, s: jax.lax.with_sharding_constraint(
-            w, _drop_axis(P(s[0], None, None, *s[1:]), 'fsdp')),
-        staged, layer_specs)
+    # Gather what fsdp split once, here; its gradient is reduce-scattered once, here too.
+    staged_specs = jax.tree.map(lambda s: keep_axes(s, set(MESH_AXES) - set(batch_axes)),
+                                staged_specs)
+    staged = jax.tree.map(jax.lax.with_sharding_constraint, staged, staged_specs)
+  in_specs = jax.tree.map(lambda s: keep_axes(s, manual), staged_specs)
 
-  def split(a):  # [B, ...] -> [M, B/M, ...]; same interleaving as gradient accumulation
-    a = a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
-    return a
+  def gather_layer(w, s: P):
+    """All-gathers the batch-axis pieces of one layer's weight (per-iteration mode)."""
+    for dim, entry in enumerate(s[3:], start=1):
+      for axis in reversed(spec_axes(entry)):
+        w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+    return w
 
   def run_stage(staged, repeat, x_BTD, positions_BT):
     layers = jax.tree.map(lambda w: w[repeat], staged)
+    if spec.gather_weights == 'iteration':
+      # Tie the gather to this iteration's input, or the compiler hoists it out of the loop.
+      layers, x_BTD = jax.lax.optimization_barrier((layers, x_BTD))
+      layers = jax.tree.map(gather_layer, layers, in_specs)
     return scan_blocks(graphdef, layers, x_BTD, positions_BT, remat)
 
   # Keep only each iteration's stage input for the backward pass; the stage's own remat
@@ -146,8 +150,12 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, spec: PipelineSpec,
     (_, _, outputs), _ = jax.lax.scan(iteration, init, jnp.arange(spec.iterations))
     return outputs[None]
 
-  x_M, pos_M = split(x_BTD), split(positions_BT)
-  out = jax.shard_map(stages_fn, in_specs=(P('pipe'), P(), P()), out_specs=P('pipe'),
-                      axis_names={'pipe'}, check_vma=False)(staged, x_M, pos_M)
+  def split(a):  # [B, ...] -> [M, B/M, ...]; same interleaving as gradient accumulation
+    return a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
+
+  rows = P(None, batch_axes)
+  out = jax.shard_map(stages_fn, in_specs=(in_specs, rows, rows),
+                      out_specs=P('pipe', None, batch_axes), axis_names=manual,
+                      check_vma=False)(staged, split(x_BTD), split(positions_BT))
   y_M = out[S - 1]
   return y_M.swapaxes(0, 1).reshape(x_BTD.shape)

@@ -120,3 +120,34 @@ def test_each_device_holds_only_its_stage():
   assert 'collective-permute' in hlo
   gathered = re.findall(r'= f32\[(\d+),[\d,]*\][^\n]*? all-gather', hlo)
   assert '6' not in gathered, 'a whole layer stack was all-gathered across pipe'
+
+
+def loop_collectives(hlo: str) -> set[str]:
+  """Kinds of collective inside while-loop bodies of a compiled HLO module."""
+  bodies = set(re.findall(r'body=%?([\w.\-]+)', hlo))
+  found, current = set(), None
+  for line in hlo.splitlines():
+    header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
+    if header:
+      current = header.group(1)
+    elif current in bodies:
+      found |= set(re.findall(
+          r' (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(',
+          line))
+  return found
+
+
+@pytest.mark.parametrize('gather,in_loops', [
+    ('step', {'collective-permute'}),
+    ('iteration', {'collective-permute', 'all-gather', 'reduce-scatter'}),
+])
+def test_batch_axis_traffic_is_once_per_step(gather, in_loops):
+  """data × fsdp gradients are reduced after the pipeline loop, not per micro-batch; only
+  per-iteration gathering moves fsdp weights inside it."""
+  cfg = small_config(pipe=2, data=2, fsdp=2)
+  cfg.train.global_batch = 16
+  cfg.pipeline.gather_weights = gather
+  run = setup(cfg)
+  with sharding_context(run.mesh, cfg.sharding.rules):
+    hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
+  assert loop_collectives(hlo) == in_loops
