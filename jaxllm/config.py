@@ -238,14 +238,6 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
         f'{M * shards * cfg.train.micro_batches} or change pipeline.microbatches.')
 
 
-def flax_rules(rules: ConfigDict) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
-  """The rules table in the form flax's `logical_axis_rules` takes."""
-  def one(axes):
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-  return tuple((name, one(axes)) for name, axes in rules.items())
-
-
 # ----------------------------------------------------------------------------- command line
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.')
@@ -260,12 +252,9 @@ def _load_config_file(path: str) -> ConfigDict:
   return module.get_config()
 
 
-def _unknown_override(argv: list[str]) -> str | None:
+def _unknown_override(config_path: str, argv: list[str]) -> str | None:
   """Names the first --config.a.b override whose field does not exist, with the known ones."""
-  path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), None)
-  if path is None:
-    return None
-  cfg = _load_config_file(path)
+  cfg = _load_config_file(config_path)
   for arg in argv:
     if not arg.startswith('--config.'):
       continue
@@ -302,7 +291,7 @@ def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
     flags.FLAGS(normalised)
     cfg = _CONFIG.value
   except (AttributeError, KeyError) as e:
-    raise ConfigError(_unknown_override(normalised) or f'bad config override: {e}') from None
+    raise ConfigError(_unknown_override(config_path, normalised) or f'bad config override: {e}') from None
   except flags.Error as e:
     raise ConfigError(f'{str(e).splitlines()[0]}') from None
   workdir = _WORKDIR.value or os.path.join(

@@ -15,7 +15,7 @@ from flax import nnx
 from flax.core import spmd
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxllm.config import AXIS_FIELDS, MESH_AXES, ConfigError, flax_rules
+from jaxllm.config import AXIS_FIELDS, MESH_AXES, ConfigError
 
 
 def make_mesh(shape: dict[str, int], devices=None) -> jax.sharding.Mesh:
@@ -48,17 +48,34 @@ def spec_axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _spec_entry(axes: tuple[str, ...]):
+  """The PartitionSpec entry for a tuple of mesh axes: None, one name, or the tuple."""
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def keep_axes(spec: P, keep) -> P:
   """`spec` naming only the mesh axes in `keep`."""
-  def one(entry):
-    kept = tuple(a for a in spec_axes(entry) if a in keep)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
-  return P(*map(one, spec))
+  return P(*(_spec_entry(tuple(a for a in spec_axes(e) if a in keep)) for e in spec))
+
+
+def flax_rules(rules) -> tuple:
+  """The config's rules table in the form flax's `logical_axis_rules` takes."""
+  return tuple((name, _spec_entry(spec_axes(axes))) for name, axes in rules.items())
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
   """Pins an activation's layout by logical axis names (a hint to the compiler)."""
   return jax.lax.with_sharding_constraint(x, logical_spec(*names))
+
+
+def split_micro_batches(x, micro_batches: int):
+  """[B, ...] -> [M, B/M, ...] where micro-batch m takes rows m, m+M, m+2M, ...
+
+  Each device's contiguous share of B then holds rows of every micro-batch, so the
+  split moves no data between devices.
+  """
+  x = x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
+  return constrain(x, None, 'batch', *([None] * (x.ndim - 2)))
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, rules, ndim: int) -> NamedSharding:
@@ -74,7 +91,7 @@ def check_divisible(abstract_state, mesh: jax.sharding.Mesh) -> None:
     logical = var.get_metadata().get('out_sharding') or ()
     spec = nnx.get_partition_spec(var).get_value()
     for dim, axes, name in zip(var.get_value().shape, spec, logical):
-      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      axes = spec_axes(axes)
       parts = math.prod(mesh.shape[a] for a in axes)
       if dim % parts:
         field = AXIS_FIELDS.get(name, f'the {name!r} axis')

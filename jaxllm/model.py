@@ -134,6 +134,11 @@ class Block(nnx.Module):
     return constrain(x_BTD, 'batch', 'seq', 'act_embed')
 
 
+def sequence_positions(tokens_BT):
+  """Positions 0..T-1 of every row: one unpacked sequence per row."""
+  return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+
+
 def scan_blocks(graphdef, stacked, x_BTD, positions_BT, remat: str):
   """Applies the blocks stacked on the leading axis of `stacked`, in order, with `lax.scan`."""
   def body(x_BTD, layer):
@@ -193,5 +198,5 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BT, positions_BT=None):
     if positions_BT is None:
-      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+      positions_BT = sequence_positions(tokens_BT)
     return self.logits(self.layers(self.embed(tokens_BT), positions_BT))

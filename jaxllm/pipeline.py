@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import MESH_AXES, pipeline_shape
-from jaxllm.mesh import keep_axes, logical_spec, spec_axes
+from jaxllm.mesh import keep_axes, logical_spec, spec_axes, split_micro_batches
 from jaxllm.model import scan_blocks
 
 
@@ -52,28 +52,26 @@ def pipeline_spec(cfg, stages: int) -> PipelineSpec | None:
   return PipelineSpec(stages, repeats, microbatches, cfg.pipeline.gather_weights)
 
 
-def _blocks_axis(tree, fn):
-  """Applies `fn` to the layer axis of every stacked block parameter (and optimizer moment)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: fn(x) if "'blocks'" in jax.tree_util.keystr(path) else x, tree)
+def _swap_layer_groups(tree, outer: int, inner: int):
+  """Views each block parameter's layer axis as [outer, inner, rest] and swaps the two groups."""
+  def swap(path, x):
+    if "'blocks'" not in jax.tree_util.keystr(path):
+      return x
+    x = x.reshape(outer, inner, -1, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(-1, *x.shape[3:])
+  return jax.tree_util.tree_map_with_path(swap, tree)
 
 
 def to_stage_order(tree, stages: int, repeats: int):
-  """Layer order -> stage-major: stage s's blocks s, s+S, ... become contiguous."""
-  def permute(x):
-    lps = x.shape[0] // (stages * repeats)
-    x = x.reshape(repeats, stages, lps, *x.shape[1:]).swapaxes(0, 1)
-    return x.reshape(-1, *x.shape[3:])
-  return _blocks_axis(tree, permute) if repeats > 1 else tree
+  """Layer order -> stage-major: stage s's blocks s, s+S, ... become contiguous.
+
+  Applies to every '.blocks' leaf of `tree` (parameters, optimizer moments)."""
+  return _swap_layer_groups(tree, repeats, stages) if repeats > 1 else tree
 
 
 def from_stage_order(tree, stages: int, repeats: int):
   """Stage-major -> layer order; inverse of `to_stage_order`."""
-  def permute(x):
-    lps = x.shape[0] // (stages * repeats)
-    x = x.reshape(stages, repeats, lps, *x.shape[1:]).swapaxes(0, 1)
-    return x.reshape(-1, *x.shape[3:])
-  return _blocks_axis(tree, permute) if repeats > 1 else tree
+  return _swap_layer_groups(tree, stages, repeats) if repeats > 1 else tree
 
 
 def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, spec: PipelineSpec, remat: str):
@@ -150,12 +148,10 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, spec: PipelineSpec,
     (_, _, outputs), _ = jax.lax.scan(iteration, init, jnp.arange(spec.iterations))
     return outputs[None]
 
-  def split(a):  # [B, ...] -> [M, B/M, ...]; same interleaving as gradient accumulation
-    return a.reshape(a.shape[0] // M, M, *a.shape[1:]).swapaxes(0, 1)
-
   rows = P(None, batch_axes)
   out = jax.shard_map(stages_fn, in_specs=(in_specs, rows, rows),
                       out_specs=P('pipe', None, batch_axes), axis_names=manual,
-                      check_vma=False)(staged, split(x_BTD), split(positions_BT))
+                      check_vma=False)(staged, split_micro_batches(x_BTD, M),
+                                       split_micro_batches(positions_BT, M))
   y_M = out[S - 1]
-  return y_M.swapaxes(0, 1).reshape(x_BTD.shape)
+  return y_M.swapaxes(0, 1).reshape(x_BTD.shape)  # undoes split_micro_batches

@@ -10,8 +10,8 @@ import optax
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxllm.mesh import check_divisible, constrain, sharding_context
-from jaxllm.model import Transformer
+from jaxllm.mesh import check_divisible, sharding_context, split_micro_batches
+from jaxllm.model import Transformer, sequence_positions
 from jaxllm.pipeline import PipelineSpec, pipeline_layers, to_stage_order
 
 
@@ -62,7 +62,7 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
   """Summed next-token cross-entropy over unmasked targets, and their count (fp32)."""
   model = nnx.merge(graphdef, params)
   tokens_BT = batch['inputs']
-  positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+  positions_BT = sequence_positions(tokens_BT)
   x_BTD = model.embed(tokens_BT)
   if pipeline:
     x_BTD = pipeline_layers(model.blocks, x_BTD, positions_BT, pipeline, model.cfg.remat)
@@ -72,16 +72,6 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
   losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch['targets'])
   mask_BT = batch['mask'].astype(jnp.float32)
   return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
-
-
-def split_micro_batches(x, micro_batches: int):
-  """[B, ...] -> [M, B/M, ...] where micro-batch m takes rows m, m+M, m+2M, ...
-
-  Each device's contiguous share of B then holds rows of every micro-batch, so the
-  split moves no data between devices.
-  """
-  x = x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
-  return constrain(x, None, 'batch', *([None] * (x.ndim - 2)))
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
