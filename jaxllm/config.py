@@ -270,8 +270,18 @@ def _unknown_override(config_path: str, argv: list[str]) -> str | None:
   return None
 
 
+USAGE = """usage: python -m jaxllm.train --config configs/X.py [--config.SECTION.FIELD=VALUE ...] [--workdir DIR]
+
+Any field of the config can be overridden; -1 on one mesh axis means the remaining devices.
+Fields and their defaults:
+"""
+
+
 def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
   """Parses `--config FILE [--config.x.y=v ...] [--workdir DIR]`. Raises ConfigError."""
+  if '--help' in argv or '-h' in argv:
+    print(USAGE + str(default_config()))
+    sys.exit(0)
   # `--config FILE` and `--config=FILE` are both accepted; normalise to the latter.
   normalised, i = [argv[0]], 1
   while i < len(argv):
