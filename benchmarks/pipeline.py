@@ -11,13 +11,12 @@ import argparse
 import importlib.util
 import os
 import re
-import time
 
 import jax
 
 jax.config.update('jax_num_cpu_devices', 8)
 
-from jaxllm.mesh import sharding_context  # noqa: E402
+from bench import time_steps  # noqa: E402
 from jaxllm.train import setup  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,22 +58,6 @@ def permute_bytes_per_step(hlo: str) -> tuple[int, int]:
   return in_loops, elsewhere
 
 
-def measure(cfg, steps: int):
-  run = setup(cfg)
-  batch = next(run.batches)
-  with sharding_context(run.mesh, cfg.sharding.rules):
-    compiled = run.train_step.lower(run.state, batch).compile()
-  state = run.state
-  for _ in range(2):  # warm up
-    state, metrics = compiled(state, batch)
-  jax.block_until_ready(metrics)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = compiled(state, batch)
-  jax.block_until_ready(metrics)
-  return (time.perf_counter() - start) / steps, compiled.as_text(), run.pipeline
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--steps', type=int, default=10)
@@ -99,7 +82,9 @@ def main():
     fsdp = 8 // stages
     # As many micro-batches as the batch allows over fsdp, at least S.
     cfg.pipeline.microbatches = max(stages, min(2 * stages, args.batch // fsdp))
-    step_time, hlo, pipeline = measure(cfg, args.steps)
+    run = setup(cfg)
+    step_time, _, compiled, _ = time_steps(run, args.steps, warmup=2)
+    hlo, pipeline = compiled.as_text(), run.pipeline
     baseline = baseline or step_time
     stage_bytes, other_bytes = permute_bytes_per_step(hlo)
     line = f'{name:22} {"pipe=%d fsdp=%d" % (stages, fsdp):15} '
