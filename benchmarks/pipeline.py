@@ -8,7 +8,6 @@ uses the devices left over by `pipe` as fsdp.
 """
 
 import argparse
-import importlib.util
 import os
 import re
 
@@ -17,18 +16,11 @@ import jax
 jax.config.update('jax_num_cpu_devices', 8)
 
 from bench import time_steps  # noqa: E402
+from jaxllm.config import load_config  # noqa: E402
 from jaxllm.train import setup  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPE_BYTES = {'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4}
-
-
-def comparison_config():
-  spec = importlib.util.spec_from_file_location('comparison',
-                                                os.path.join(REPO, 'configs', 'comparison.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def permute_bytes_per_step(hlo: str) -> tuple[int, int]:
@@ -74,7 +66,7 @@ def main():
         f'{"stage MB":>9} {"analytic":>9} {"ratio":>6} {"other MB":>9}')
   baseline = None
   for name, stages, schedule, repeats in cases:
-    cfg = comparison_config()
+    cfg = load_config(os.path.join(REPO, 'configs', 'comparison.py'))
     cfg.model.num_layers = args.layers
     cfg.train.global_batch = args.batch
     cfg.mesh.update(data=1, fsdp=-1, pipe=stages, tensor=1)

@@ -245,7 +245,8 @@ _WORKDIR = flags.DEFINE_string('workdir', None,
                                'Run directory for metrics and logs (default: runs/<config>-<time>).')
 
 
-def _load_config_file(path: str) -> ConfigDict:
+def load_config(path: str) -> ConfigDict:
+  """`get_config()` of a config file, without command-line overrides."""
   spec = importlib.util.spec_from_file_location('_jaxllm_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -254,7 +255,7 @@ def _load_config_file(path: str) -> ConfigDict:
 
 def _unknown_override(config_path: str, argv: list[str]) -> str | None:
   """Names the first --config.a.b override whose field does not exist, with the known ones."""
-  cfg = _load_config_file(config_path)
+  cfg = load_config(config_path)
   for arg in argv:
     if not arg.startswith('--config.'):
       continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
@@ -31,7 +31,6 @@ class Run:
   state: TrainState
   train_step: Callable       # jitted (state, batch) -> (state, metrics); state is donated
   batches: Iterator[dict[str, jax.Array]]
-  graphdef: Any
   pipeline: PipelineSpec | None  # None when mesh.pipe == 1
 
 
@@ -57,7 +56,7 @@ def setup(cfg: ConfigDict, devices=None) -> Run:
   step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
                          cfg.train.micro_batches, pipeline)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
-  return Run(cfg, mesh, state, train_step, batches, graphdef, pipeline)
+  return Run(cfg, mesh, state, train_step, batches, pipeline)
 
 
 def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | None) -> str:

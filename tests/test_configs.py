@@ -1,6 +1,5 @@
 """The published model shapes: their parameter counts, and a train step that compiles."""
 
-import importlib.util
 import os
 
 import jax
@@ -8,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import REPO
-from jaxllm.config import resolve_mesh, validate
+from jaxllm.config import load_config, resolve_mesh, validate
 from jaxllm.mesh import batch_sharding, make_mesh, sharding_context
 from jaxllm.metrics import param_counts
 from jaxllm.optim import lr_schedule, make_optimizer
@@ -23,16 +22,9 @@ PUBLISHED = {
 }
 
 
-def load(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'configs', f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
 @pytest.mark.parametrize('name', PUBLISHED)
 def test_published_shape_compiles_from_shapes_alone(name):
-  cfg = load(name)
+  cfg = load_config(os.path.join(REPO, 'configs', f'{name}.py'))
   cfg.model.attention = 'xla'  # the test machine has no GPU
   cfg.mesh.update(data=2, fsdp=-1, tensor=2)
   shape = resolve_mesh(cfg.mesh, jax.device_count())
