@@ -1,10 +1,10 @@
 """Pipeline parallelism over the `pipe` mesh axis.
 
 The layer stack is cut into S stages, one per `pipe` device. Inside `jax.shard_map` (manual
-over 'pipe' only, so data/fsdp/tensor stay compiler-managed within each stage) a `lax.scan`
-runs R·M + S − 1 iterations: in each, every stage runs its layers on what it holds, then
-`ppermute` moves the activations one stage on. Stage 0 takes micro-batch inputs, the last
-stage writes finished micro-batches.
+over 'pipe' and the batch axes data/fsdp; 'tensor' stays compiler-managed within each stage)
+a `lax.scan` runs R·M + S − 1 iterations: in each, every stage runs its layers on what it
+holds, then `ppermute` moves the activations one stage on. Stage 0 takes micro-batch inputs,
+the last stage writes finished micro-batches.
 
 Schedules: GPipe (R = 1), and circular with R repeats, where stage s holds the layer blocks
 s, s+S, s+2S, ... and a micro-batch goes round the ring R times. Under circular, the layer
