@@ -82,21 +82,20 @@ def synthetic_example(data_cfg: ConfigDict, vocab_size: int, batch_size: int,
           'mask': np.ones((batch_size, data_cfg.seq_len), np.float32)}
 
 
-def to_global(mesh, rules, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-  """This process's rows -> global arrays split over the 'batch' rule of the mesh."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, rules, v.ndim), v)
-          for k, v in local.items()}
+def to_global(sharding, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+  """This process's rows -> global arrays laid out by `sharding`."""
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
 def make_batches(cfg: ConfigDict, mesh) -> Iterator[dict[str, jax.Array]]:
   """The endless stream of global batches a run trains on. Errors surface here, early."""
   local_batch = cfg.train.global_batch // jax.process_count()
+  rows = batch_sharding(mesh, cfg.sharding.rules, ndim=2)  # every array is [batch, seq]
   if cfg.data.source == 'synthetic':
-    batch = to_global(mesh, cfg.sharding.rules, synthetic_example(cfg.data, cfg.model.vocab_size, local_batch,
-                                              cfg.train.seed))
-    return itertools.repeat(batch)
+    example = synthetic_example(cfg.data, cfg.model.vocab_size, local_batch, cfg.train.seed)
+    return itertools.repeat(to_global(rows, example))
   if cfg.model.vocab_size < BYTE_VOCAB_SIZE:
     raise ConfigError(f'model.vocab_size={cfg.model.vocab_size} is smaller than the byte '
                       f'tokenizer\'s {BYTE_VOCAB_SIZE} ids; set it to at least {BYTE_VOCAB_SIZE}.')
   examples = text_examples(cfg.data, local_batch, cfg.train.seed)
-  return (to_global(mesh, cfg.sharding.rules, b) for b in examples)
+  return (to_global(rows, b) for b in examples)
