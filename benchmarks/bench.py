@@ -1,16 +1,19 @@
 """Steady-state training throughput of a config on its mesh.
 
     python benchmarks/bench.py --config configs/X.py [--config.a.b=v ...] [--steps 20] [--warmup 3]
-    python benchmarks/bench.py --config configs/comparison.py --compare
+    python benchmarks/bench.py --config configs/comparison.py --compare [--rounds 3]
 
 The train step is compiled once ahead of time (as `jaxllm.train` does), run `--warmup` times,
 then timed over `--steps` steps with one host sync at the end. `--compare` runs the three CPU
 cases of the comparison — 1 device, fsdp=8, fsdp=4 × tensor=2 — each in its own process (a
-process fixes its device count when JAX starts) and prints each against the 1-device case.
+process fixes its device count when JAX starts), `--rounds` times in turn, and prints each
+case's median against the 1-device median: on a shared machine only ratios measured side by
+side mean much.
 """
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +30,7 @@ from jaxllm.train import setup
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps run after compiling.')
 _COMPARE = flags.DEFINE_bool('compare', False, 'Run the three CPU mesh cases, one process each.')
+_ROUNDS = flags.DEFINE_integer('rounds', 1, '--compare: times to run the cases, in turn.')
 
 CASES = {  # name -> overrides; every case names the whole mesh, so any base config works
     '1 device': dict(cpu_devices=1, data=1, fsdp=1, tensor=1),
@@ -80,26 +84,26 @@ def bench(argv: list[str]) -> None:
 
 
 def compare(argv: list[str]) -> None:
-  """Runs this script once per case with the same arguments plus the case's overrides."""
-  base = [a for a in argv[1:] if a not in ('--compare', '--compare=true')]
-  rows = []
-  for name, case in CASES.items():
-    overrides = [f'--config.cpu_devices={case["cpu_devices"]}', '--config.mesh.pipe=1'] + [
-        f'--config.mesh.{a}={case[a]}' for a in ('data', 'fsdp', 'tensor')]
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), *base, *overrides],
-                         capture_output=True, text=True)
-    if out.returncode:
-      sys.exit(f'{name} failed:\n{out.stderr}')
-    result = out.stdout.strip().splitlines()[-1]
-    print(result, flush=True)
-    tokens_per_s = float(re.search(r'tokens/s ([\d,.]+)', result).group(1).replace(',', ''))
-    step_ms = re.search(r'step ([\d,.]+)ms', result).group(1)
-    compile_s = re.search(r'compile ([\d.]+)s', result).group(1)
-    rows.append((name, tokens_per_s, step_ms, compile_s))
-  print(f'\n{"case":18} {"tokens/s":>9} {"step ms":>8} {"compile s":>9} {"vs 1 device":>11}')
-  for name, tokens_per_s, step_ms, compile_s in rows:
-    print(f'{name:18} {tokens_per_s:9,.0f} {step_ms:>8} {compile_s:>9} '
-          f'{tokens_per_s / rows[0][1]:11.2f}')
+  """Runs this script once per case and round, with the same arguments plus the case's mesh."""
+  flags.FLAGS(argv, known_only=True)  # just for --rounds; the cases parse the rest
+  base = [a for a in argv[1:] if not a.startswith(('--compare', '--rounds'))]
+  results = {name: [] for name in CASES}
+  for _ in range(_ROUNDS.value):
+    for name, case in CASES.items():
+      overrides = [f'--config.cpu_devices={case["cpu_devices"]}', '--config.mesh.pipe=1'] + [
+          f'--config.mesh.{a}={case[a]}' for a in ('data', 'fsdp', 'tensor')]
+      out = subprocess.run([sys.executable, os.path.abspath(__file__), *base, *overrides],
+                           capture_output=True, text=True)
+      if out.returncode:
+        sys.exit(f'{name} failed:\n{out.stderr}')
+      line = out.stdout.strip().splitlines()[-1]
+      print(line, flush=True)
+      results[name].append(float(re.search(r'tokens/s ([\d,]+)', line)[1].replace(',', '')))
+  baseline = statistics.median(results['1 device'])
+  print(f'\n{"case":16} {"tokens/s (median)":>17} {"min-max":>13} {"vs 1 device":>11}')
+  for name, runs in results.items():
+    print(f'{name:16} {statistics.median(runs):17,.0f} {f"{min(runs):,.0f}-{max(runs):,.0f}":>13} '
+          f'{statistics.median(runs) / baseline:11.2f}')
 
 
 def main(argv: list[str]) -> None:
