@@ -11,7 +11,6 @@ import importlib.util
 import math
 import os
 import sys
-import time
 
 from absl import flags
 from ml_collections import ConfigDict, config_flags
@@ -20,7 +19,8 @@ MESH_AXES = ('data', 'fsdp', 'pipe', 'tensor')
 REMAT_POLICIES = ('none', 'full', 'dots')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 DTYPES = ('float32', 'bfloat16')
-DATA_SOURCES = ('text', 'synthetic')
+DATA_SOURCES = ('files', 'synthetic')
+DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord')
 PIPELINE_SCHEDULES = ('gpipe', 'circular')
 GATHER_MODES = ('step', 'iteration')
 
@@ -39,6 +39,10 @@ AXIS_FIELDS = {
 
 class ConfigError(ValueError):
   """A user-facing configuration problem; the message names the field and the fix."""
+
+
+class TrainingError(RuntimeError):
+  """A run that cannot go on (e.g. a non-finite loss); the message names the step and the fix."""
 
 
 def default_config() -> ConfigDict:
@@ -109,6 +113,9 @@ def default_config() -> ConfigDict:
       global_batch=8,      # sequences per optimizer step, over all devices
       micro_batches=1,     # gradient accumulation: the step runs this many slices in turn
       peak_flops=0.0,      # peak FLOP/s of one device for MFU; 0: look the device up
+      # Non-finite loss or gradients: False stops the run naming the step (the last good
+      # checkpoint stays as it is); True skips that update and goes on.
+      skip_nonfinite=False,
   ))
 
   c.optim = ConfigDict(dict(
@@ -124,10 +131,35 @@ def default_config() -> ConfigDict:
   ))
 
   c.data = ConfigDict(dict(
-      source='text',       # 'text': files at data.path; 'synthetic': one fixed random batch
-      path='',             # a text file, a directory, or a glob
+      source='files',      # 'files': documents at data.path; 'synthetic': one fixed random batch
+      path='',             # a file, a directory, or a glob of shards
+      # 'auto' picks by extension (.jsonl, .parquet, .arrayrecord; anything else is text);
+      # 'text': a document per file, 'lines': a document per line, 'arrayrecord': records of
+      # pre-tokenised documents (little-endian int32 ids).
+      format='auto',
+      text_field='text',   # the text column of JSONL and Parquet records
+      tokenizer='byte',    # 'byte' (built in), a Hugging Face tokenizer.json, or a SentencePiece .model
+      packing=True,        # pack documents into rows (attention stays inside each); False: one per row
       seq_len=128,
+      eval_path='',        # held-out documents; or hold out a fraction of data.path:
+      eval_fraction=0.0,
+      prefetch=4,          # batches prepared ahead of the train step
   ))
+
+  c.eval = ConfigDict(dict(
+      every=0,             # steps between evaluations on the held-out split; 0: never
+      batches=4,           # batches per evaluation (of global_batch / micro_batches rows)
+  ))
+
+  c.checkpoint = ConfigDict(dict(
+      dir='',              # default: <workdir>/checkpoints; a run resumes from its latest
+      every=500,           # steps between saves (and a save at the last step); 0: never
+      keep=3,              # newest checkpoints kept
+      async_save=True,     # write in the background while training goes on
+  ))
+  # Start from the parameters of this checkpoint (a checkpoint dir or one step in it) and
+  # fresh optimizer state: fine-tuning. Ignored when the run has checkpoints of its own.
+  c.init_from = ''
   return c
 
 
@@ -170,6 +202,14 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(m.dtype, 'model.dtype', DTYPES)
   _choice(m.param_dtype, 'model.param_dtype', DTYPES)
   _choice(cfg.data.source, 'data.source', DATA_SOURCES)
+  _choice(cfg.data.format, 'data.format', DATA_FORMATS)
+  if not 0 <= cfg.data.eval_fraction < 1:
+    raise ConfigError(f'data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1).')
+  for field, least in (('eval.every', 0), ('eval.batches', 1), ('checkpoint.every', 0),
+                       ('checkpoint.keep', 1), ('data.prefetch', 0)):
+    section, name = field.split('.')
+    if cfg[section][name] < least:
+      raise ConfigError(f'{field}={cfg[section][name]} must be at least {least}.')
 
   for field in ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads',
                 'head_dim', 'mlp_dim'):
@@ -242,7 +282,8 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.')
 _WORKDIR = flags.DEFINE_string('workdir', None,
-                               'Run directory for metrics and logs (default: runs/<config>-<time>).')
+                               'Run directory for metrics, logs and checkpoints; a run resumes '
+                               'from its checkpoints (default: runs/<config name>).')
 
 
 def load_config(path: str) -> ConfigDict:
@@ -305,15 +346,20 @@ def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
     raise ConfigError(_unknown_override(config_path, normalised) or f'bad config override: {e}') from None
   except flags.Error as e:
     raise ConfigError(f'{str(e).splitlines()[0]}') from None
+  # The same command twice uses the same directory, so a restarted run resumes.
   workdir = _WORKDIR.value or os.path.join(
-      'runs', f'{os.path.splitext(os.path.basename(config_path))[0]}-{time.strftime("%Y%m%d-%H%M%S")}')
+      'runs', os.path.splitext(os.path.basename(config_path))[0])
   return cfg, workdir
 
 
 def main_guard(main):
-  """Runs `main(argv)`; a ConfigError becomes one line on stderr and exit status 2."""
+  """Runs `main(argv)`; a ConfigError becomes one line on stderr and exit status 2, a
+  TrainingError one line and exit status 1."""
   try:
     main(sys.argv)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
+  except TrainingError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)

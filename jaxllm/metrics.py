@@ -84,6 +84,15 @@ class MetricsLog:
       parts.append(f'mfu {100 * row["mfu"]:.1f}%')
     tqdm.write('  '.join(parts), file=sys.stdout)
 
+  def write_eval(self, row: dict) -> None:
+    if not self.enabled:
+      return
+    if self.file:
+      self.file.write(json.dumps(row) + '\n')
+      self.file.flush()
+    tqdm.write(f'step {row["step"]}  eval_loss {row["eval_loss"]:.4f}  '
+               f'eval_perplexity {row["eval_perplexity"]:.2f}', file=sys.stdout)
+
   def close(self) -> None:
     self.bar.close()
     if self.file:

@@ -79,7 +79,7 @@ class Attention(nnx.Module):
     self.wo_NHD = _param(rngs, out_init, (N, H, D), ('heads', 'head_dim', 'embed'), pd)
     self.cfg = cfg
 
-  def __call__(self, x_BTD, positions_BT):
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None):
     w = lambda p: p[...].astype(self.cfg.dtype)
     q_BTNH = jnp.einsum('btd,dnh->btnh', x_BTD, w(self.wq_DNH))
     k_BTKH = jnp.einsum('btd,dkh->btkh', x_BTD, w(self.wk_DKH))
@@ -91,6 +91,7 @@ class Attention(nnx.Module):
     q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
     k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
     o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                          mask=segment_mask(segment_ids_BT),
                                           implementation=self.cfg.attention)
     o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
     return jnp.einsum('btnh,nhd->btd', o_BTNH, w(self.wo_NHD))
@@ -127,8 +128,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_BT):
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT)
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None):
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
     x_BTD = constrain(x_BTD, 'batch', 'seq', 'act_embed')
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     return constrain(x_BTD, 'batch', 'seq', 'act_embed')
@@ -139,10 +140,18 @@ def sequence_positions(tokens_BT):
   return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
 
 
-def scan_blocks(graphdef, stacked, x_BTD, positions_BT, remat: str):
+def segment_mask(segment_ids_BT):
+  """[B, 1, T, T] True where query and key are in the same document of a packed row;
+  None (no mask beyond causality) when rows hold one sequence each."""
+  if segment_ids_BT is None:
+    return None
+  return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
+
+
+def scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, remat: str):
   """Applies the blocks stacked on the leading axis of `stacked`, in order, with `lax.scan`."""
   def body(x_BTD, layer):
-    return nnx.merge(graphdef, layer)(x_BTD, positions_BT), None
+    return nnx.merge(graphdef, layer)(x_BTD, positions_BT, segment_ids_BT), None
 
   if remat != 'none':
     body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
@@ -180,10 +189,10 @@ class Transformer(nnx.Module):
     x_BTD = table_VD[tokens_BT].astype(self.cfg.dtype)
     return constrain(x_BTD, 'batch', 'seq', 'act_embed')
 
-  def layers(self, x_BTD, positions_BT):
+  def layers(self, x_BTD, positions_BT, segment_ids_BT=None):
     """Runs the block stack as one `lax.scan`, rematerialised per the config."""
     graphdef, stacked = nnx.split(self.blocks)
-    return scan_blocks(graphdef, stacked, x_BTD, positions_BT, self.cfg.remat)
+    return scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, self.cfg.remat)
 
   def logits(self, x_BTD):
     """Output logits in fp32, whatever the compute dtype."""
@@ -196,7 +205,9 @@ class Transformer(nnx.Module):
                             preferred_element_type=jnp.float32)
     return constrain(logits_BTV, 'batch', 'seq', 'act_vocab')
 
-  def __call__(self, tokens_BT, positions_BT=None):
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+    """Logits [B, T, V]. Packed rows give each token's position in its document and the
+    document's segment id; attention then stays inside each document."""
     if positions_BT is None:
       positions_BT = sequence_positions(tokens_BT)
-    return self.logits(self.layers(self.embed(tokens_BT), positions_BT))
+    return self.logits(self.layers(self.embed(tokens_BT), positions_BT, segment_ids_BT))

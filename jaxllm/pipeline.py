@@ -74,8 +74,11 @@ def from_stage_order(tree, stages: int, repeats: int):
   return _swap_layer_groups(tree, stages, repeats) if repeats > 1 else tree
 
 
-def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, spec: PipelineSpec, remat: str):
-  """The block stack run as a pipeline; equals `scan_blocks` over the layers in order."""
+def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spec: PipelineSpec,
+                    remat: str):
+  """The block stack run as a pipeline; equals `scan_blocks` over the layers in order.
+
+  `segment_ids_BT` may be None (one sequence per row)."""
   S, R, M = spec.stages, spec.repeats, spec.microbatches
   graphdef, stacked = nnx.split(blocks)
   # The pipeline is manual over 'pipe' and the batch axes (data, fsdp): each device then sums
@@ -101,20 +104,20 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, spec: PipelineSpec,
         w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
     return w
 
-  def run_stage(staged, repeat, x_BTD, positions_BT):
+  def run_stage(staged, repeat, x_BTD, rows_info):
     layers = jax.tree.map(lambda w: w[repeat], staged)
     if spec.gather_weights == 'iteration':
       # Tie the gather to this iteration's input, or the compiler hoists it out of the loop.
       layers, x_BTD = jax.lax.optimization_barrier((layers, x_BTD))
       layers = jax.tree.map(gather_layer, layers, in_specs)
-    return scan_blocks(graphdef, layers, x_BTD, positions_BT, remat)
+    return scan_blocks(graphdef, layers, x_BTD, *rows_info, remat)
 
   # Keep only each iteration's stage input for the backward pass; the stage's own remat
   # policy applies when it is recomputed.
   run_stage = jax.checkpoint(run_stage, policy=jax.checkpoint_policies.nothing_saveable,
                              prevent_cse=False)
 
-  def stages_fn(staged, x_M, pos_M):
+  def stages_fn(staged, x_M, info_M):
     staged = jax.tree.map(lambda w: w[0], staged)  # this device's stage: [R, L/(S·R), ...]
     stage = jax.lax.axis_index('pipe')
     is_first, is_last = stage == 0, stage == S - 1
@@ -129,7 +132,7 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, spec: PipelineSpec,
       first_input = x_M[mb] if R == 1 else jnp.where(repeat == 0, x_M[mb], loop_buffer[mb])
       x = jnp.where(is_first, first_input, incoming)
       x = jnp.where(valid, x, 0)            # bubbles compute on zeros: what they hold can't leak
-      y = run_stage(staged, repeat, x, pos_M[mb])
+      y = run_stage(staged, repeat, x, jax.tree.map(lambda a: a[mb], info_M))
       done = is_last & valid & (repeat == R - 1)
       outputs = outputs.at[mb].set(jnp.where(done, y, outputs[mb]))
       incoming = jax.lax.ppermute(y, 'pipe', ring)
@@ -149,9 +152,10 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, spec: PipelineSpec,
     return outputs[None]
 
   rows = P(None, batch_axes)
+  # Positions and segment ids of each micro-batch's rows (a None segment_ids has no leaves).
+  info_M = jax.tree.map(lambda a: split_micro_batches(a, M), (positions_BT, segment_ids_BT))
   out = jax.shard_map(stages_fn, in_specs=(in_specs, rows, rows),
                       out_specs=P('pipe', None, batch_axes), axis_names=manual,
-                      check_vma=False)(staged, split_micro_batches(x_BTD, M),
-                                       split_micro_batches(positions_BT, M))
+                      check_vma=False)(staged, split_micro_batches(x_BTD, M), info_M)
   y_M = out[S - 1]
   return y_M.swapaxes(0, 1).reshape(x_BTD.shape)  # undoes split_micro_batches

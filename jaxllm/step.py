@@ -62,12 +62,15 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
   """Summed next-token cross-entropy over unmasked targets, and their count (fp32)."""
   model = nnx.merge(graphdef, params)
   tokens_BT = batch['inputs']
-  positions_BT = sequence_positions(tokens_BT)
+  # Packed rows say where each token sits in its document; plain rows are one sequence each.
+  positions_BT = batch.get('positions', sequence_positions(tokens_BT))
+  segment_ids_BT = batch.get('segment_ids')
   x_BTD = model.embed(tokens_BT)
   if pipeline:
-    x_BTD = pipeline_layers(model.blocks, x_BTD, positions_BT, pipeline, model.cfg.remat)
+    x_BTD = pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, pipeline,
+                            model.cfg.remat)
   else:
-    x_BTD = model.layers(x_BTD, positions_BT)
+    x_BTD = model.layers(x_BTD, positions_BT, segment_ids_BT)
   logits_BTV = model.logits(x_BTD)
   losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch['targets'])
   mask_BT = batch['mask'].astype(jnp.float32)
@@ -75,8 +78,12 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
-                    pipeline: PipelineSpec | None = None):
-  """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch."""
+                    pipeline: PipelineSpec | None = None, skip_nonfinite: bool = False):
+  """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch.
+
+  With `skip_nonfinite`, a step whose loss or gradients are not finite leaves params and
+  optimizer state as they were (the step count still advances, as does the data).
+  """
   grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b, pipeline), has_aux=True)
 
   def gradients(params, batch):
@@ -104,8 +111,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     grads = jax.tree.map(lambda g: g / tokens, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(loss=loss_sum / tokens, grad_norm=optax.tree.norm(grads),
-                   lr=schedule(state.step))
+    loss, grad_norm = loss_sum / tokens, optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+    metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule(state.step), finite=finite)
     return TrainState(state.step + 1, params, opt_state), metrics
 
   return train_step

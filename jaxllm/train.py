@@ -5,22 +5,28 @@ Wires config, mesh, model, data and step together; no math lives here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 import time
 from typing import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from ml_collections import ConfigDict
 
 from jaxllm import metrics
-from jaxllm.config import main_guard, parse_command_line, resolve_mesh, validate
-from jaxllm.data import make_batches
+from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
+from jaxllm.config import TrainingError, main_guard, parse_command_line, resolve_mesh, validate
+from jaxllm.data import make_batches, make_eval_batches
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.optim import lr_schedule, make_optimizer
-from jaxllm.pipeline import PipelineSpec, pipeline_spec
-from jaxllm.step import TrainState, init_state, make_train_step
+from jaxllm.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
+from jaxllm.step import TrainState, init_state, loss_terms, make_train_step, state_shapes
 
 
 @dataclasses.dataclass
@@ -28,16 +34,21 @@ class Run:
   """Everything a training loop needs, built and checked from one config."""
   cfg: ConfigDict
   mesh: jax.sharding.Mesh
+  graphdef: nnx.GraphDef
   state: TrainState
+  origin: str                # where `state` came from, in words
   train_step: Callable       # jitted (state, batch) -> (state, metrics); state is donated
   batches: Iterator[dict[str, jax.Array]]
+  eval_batches: Callable[[], Iterator[dict[str, jax.Array]]] | None
   pipeline: PipelineSpec | None  # None when mesh.pipe == 1
+  checkpoints: Checkpoints | None
 
 
-def setup(cfg: ConfigDict, devices=None) -> Run:
+def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   """Validates the config against the devices, then builds mesh, data, state and step.
 
-  `devices`: the devices to run on (default: all of them).
+  `devices`: the devices to run on (default: all of them). With a `workdir` (or
+  `checkpoint.dir`) the run has checkpoints, and the state resumes from the newest.
   """
   cfg = ConfigDict(cfg)  # our own copy: resolving fallbacks below must not leak back
   devices = jax.devices() if devices is None else devices
@@ -49,14 +60,60 @@ def setup(cfg: ConfigDict, devices=None) -> Run:
     cfg.model.attention = 'xla'
   mesh = make_mesh(mesh_shape, devices)
   batches = make_batches(cfg, mesh)
+  eval_batches = make_eval_batches(cfg, mesh) if cfg.eval.every else None
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   pipeline = pipeline_spec(cfg, mesh_shape['pipe'])
-  graphdef, state, shardings = init_state(cfg.model, tx, mesh, cfg.sharding.rules,
-                                          cfg.train.seed, pipeline)
+  # Shapes first: they check the model against the mesh before anything touches the disk.
+  graphdef, abstract, shardings = state_shapes(cfg.model, tx, mesh, cfg.sharding.rules,
+                                               cfg.train.seed, pipeline)
+  ckpt_dir = cfg.checkpoint.dir or (workdir and os.path.join(workdir, 'checkpoints'))
+  checkpoints = Checkpoints(ckpt_dir, cfg.checkpoint) if ckpt_dir else None
+  state, origin = _initial_state(cfg, mesh, tx, pipeline, abstract, shardings, checkpoints,
+                                 batches)
   step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
-                         cfg.train.micro_batches, pipeline)
+                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
-  return Run(cfg, mesh, state, train_step, batches, pipeline)
+  return Run(cfg, mesh, graphdef, state, origin, train_step, batches, eval_batches, pipeline,
+             checkpoints)
+
+
+def _initial_state(cfg: ConfigDict, mesh, tx, pipeline: PipelineSpec | None, abstract, shardings,
+                   checkpoints: Checkpoints | None, batches):
+  """The run's newest checkpoint if it has one, else `init_from`'s parameters with a fresh
+  optimizer, else a fresh state. Checkpoints hold layer order; a circular pipeline's state
+  is converted to stage order on the way in (and back on the way out, see `_layer_order`)."""
+  rules = cfg.sharding.rules
+  stages = (pipeline.stages, pipeline.repeats) if pipeline else (1, 1)
+  with sharding_context(mesh, rules):
+    if checkpoints:
+      restored = checkpoints.restore_latest(restore_target(abstract, shardings), batches,
+                                            cfg.model)
+      if restored is not None:
+        if stages[1] > 1:
+          restored = jax.jit(lambda s: to_stage_order(s, *stages), out_shardings=shardings)(restored)
+        return restored, (f'resumed from the checkpoint of step {int(restored.step)} in '
+                          f'{checkpoints.directory}')
+    if cfg.init_from:
+      params = restore_params(cfg.init_from, restore_target(abstract.params, shardings.params),
+                              cfg.model)
+
+      def fresh_optimizer(params):
+        params = to_stage_order(params, *stages)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+      state = jax.jit(fresh_optimizer, out_shardings=shardings)(params)
+      return state, f'parameters from {cfg.init_from}, fresh optimizer state'
+  _, state, _ = init_state(cfg.model, tx, mesh, rules, cfg.train.seed, pipeline)
+  return state, f'initialised from train.seed={cfg.train.seed}'
+
+
+def _layer_order(run: Run, state: TrainState) -> TrainState:
+  """The state as checkpoints hold it: blocks in layer order (a copy under circular)."""
+  if not run.pipeline or run.pipeline.repeats == 1:
+    return state
+  stages = run.pipeline.stages, run.pipeline.repeats
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  return jax.jit(lambda s: from_stage_order(s, *stages), out_shardings=shardings)(state)
 
 
 def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | None) -> str:
@@ -86,21 +143,106 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | 
       f'once per {cfg.pipeline.gather_weights}'] if pipeline else []))
 
 
+@contextlib.contextmanager
+def preemption_signals():
+  """SIGTERM and SIGINT set the event instead of killing the run: the loop finishes its step,
+  saves and stops. A second SIGINT interrupts at once (an impatient Ctrl-C)."""
+  preempted = threading.Event()
+
+  def on_signal(signum, frame):
+    if signum == signal.SIGINT and preempted.is_set():
+      raise KeyboardInterrupt
+    preempted.set()
+
+  previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield preempted
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def _check_finite(values: list[dict], first_step: int, cfg: ConfigDict, last_saved: int | None):
+  """Raises at the first step with a non-finite loss or gradient norm, unless such updates
+  are skipped. Returns the number skipped."""
+  bad = [i for i, v in enumerate(values) if not v['finite']]
+  if bad and not cfg.train.skip_nonfinite:
+    v = values[bad[0]]
+    kept = (f'the checkpoint of step {last_saved} is untouched' if last_saved
+            else 'no checkpoint was written')
+    raise TrainingError(
+        f'step {first_step + bad[0]}: loss {float(v["loss"])}, gradient norm '
+        f'{float(v["grad_norm"])} are not finite; stopped ({kept}). Lower optim.lr, or set '
+        'train.skip_nonfinite=True to skip such updates.')
+  return len(bad)
+
+
+def evaluate(run: Run, eval_step, state: TrainState) -> dict[str, float]:
+  """Token-mean loss and perplexity over the eval split's batches."""
+  with sharding_context(run.mesh, run.cfg.sharding.rules):
+    sums = [eval_step(state.params, batch) for batch in run.eval_batches()]
+  loss_sum, tokens = np.sum(jax.device_get(sums), axis=0)
+  loss = float(loss_sum / max(tokens, 1.0))
+  return {'eval_loss': loss, 'eval_perplexity': float(np.exp(loss))}
+
+
 def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
-  """Trains for `cfg.train.steps` steps. Returns the final state and the logged rows."""
-  run = setup(cfg, devices)
+  """Trains until `cfg.train.steps`, resuming from the run's newest checkpoint if there is
+  one. Returns the final state and the logged training rows."""
+  run = setup(cfg, devices, workdir)
   cfg, state = run.cfg, run.state
   log = metrics.MetricsLog(workdir, cfg.train.steps, enabled=metrics.is_logging_process())
   log.info(describe(cfg, run.mesh, run.pipeline))
+  log.info(f'state    {run.origin}')
   if workdir and metrics.is_logging_process():
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(cfg.to_json(indent=2))
     log.info(f'workdir  {workdir}')
 
-  tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-  flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
+  first = int(state.step) + 1
+  history = []
+  try:
+    if first > cfg.train.steps:
+      log.info(f'nothing to do: the state is at step {first - 1} of train.steps='
+               f'{cfg.train.steps}.')
+      return state, history
+    with preemption_signals() as preempted:
+      state, history = _loop(run, state, first, log, preempted)
+  finally:
+    if run.checkpoints:
+      run.checkpoints.wait()  # a save in flight completes even when the run stops on an error
+      run.checkpoints.close()
+    log.close()
+  return state, history
+
+
+def _interval_row(run: Run, step: int, values: list[dict], seconds: float,
+                  data_seconds: float) -> dict:
+  """The logged row of one interval: means over its steps (finite ones, if any were not)."""
+  cfg = run.cfg
+  step_time = seconds / len(values)
+  good = [v for v in values if v['finite']] or values
+  row = {'step': step,
+         'loss': float(np.mean([v['loss'] for v in good])),
+         'grad_norm': float(np.mean([v['grad_norm'] for v in good])),
+         'lr': float(values[-1]['lr']),
+         'step_time': step_time,
+         'data_time': data_seconds / len(values),
+         'tokens_per_sec': cfg.train.global_batch * cfg.data.seq_len / step_time}
   peak = metrics.peak_flops(run.mesh.devices.flat[0], cfg.train.peak_flops)
+  if peak:
+    flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
+    achieved = row['tokens_per_sec'] / run.mesh.size / peak
+    row['mfu'] = flops['full'] * achieved
+    row['mfu_causal'] = flops['causal'] * achieved
+  return row
+
+
+def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog, preempted):
+  """Steps from `first` to train.steps: logs per interval, saves, evaluates, stops on a signal."""
+  cfg, ckpt = run.cfg, run.checkpoints
+  eval_step = jax.jit(lambda params, batch: loss_terms(run.graphdef, params, batch, run.pipeline))
 
   batch = next(run.batches)
   start = time.perf_counter()
@@ -108,34 +250,42 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
     step_fn = run.train_step.lower(state, batch).compile()
   log.info(f'compiled the train step in {time.perf_counter() - start:.1f}s')
 
-  history, pending, data_time = [], [], 0.0
+  history, pending, data_time, last_saved = [], [], 0.0, None
+  pending_first = first  # the step of pending[0]
   interval_start = time.perf_counter()
-  for step in range(int(state.step) + 1, cfg.train.steps + 1):
+  for step in range(first, cfg.train.steps + 1):
     state, step_metrics = step_fn(state, batch)
     pending.append(step_metrics)
-    if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-      values = jax.device_get(pending)  # the only host sync: once per logging interval
-      step_time = (time.perf_counter() - interval_start) / len(values)
-      row = {'step': step,
-             'loss': float(np.mean([v['loss'] for v in values])),
-             'grad_norm': float(np.mean([v['grad_norm'] for v in values])),
-             'lr': float(values[-1]['lr']),
-             'step_time': step_time,
-             'data_time': data_time / len(values),
-             'tokens_per_sec': tokens_per_step / step_time}
-      if peak:
-        achieved = row['tokens_per_sec'] / run.mesh.size / peak
-        row['mfu'] = flops['full'] * achieved
-        row['mfu_causal'] = flops['causal'] * achieved
-      history.append(row)
-      log.write(row, len(values))
-      pending, data_time = [], 0.0
-      interval_start = time.perf_counter()
-    if step < cfg.train.steps:
+    last = step == cfg.train.steps
+    stopping = preempted.is_set()  # read once: a signal may land at any moment
+    save = ckpt and (stopping or
+                     (cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or last)))
+    if save or stopping or step % cfg.train.log_every == 0 or last:
+      values = jax.device_get(pending)  # the only host sync: once per interval or save
+      skipped = _check_finite(values, pending_first, cfg, last_saved)
+      if save:
+        # Saved after `step` batches were drawn and before the next, so a resumed run reads
+        # on from exactly here.
+        ckpt.save(step, _layer_order(run, state), run.batches, cfg)
+        last_saved = step
+      if step % cfg.train.log_every == 0 or last or stopping:
+        row = _interval_row(run, step, values, time.perf_counter() - interval_start, data_time)
+        if cfg.train.skip_nonfinite:
+          row['skipped'] = skipped
+        history.append(row)
+        log.write(row, len(values))
+        pending, data_time, pending_first = [], 0.0, step + 1
+        interval_start = time.perf_counter()
+    if run.eval_batches and step % cfg.eval.every == 0:
+      log.write_eval({'step': step, **evaluate(run, eval_step, state)})
+    if stopping:
+      log.info(f'stopped by a signal after step {step}' +
+               (f'; saved a checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoint dir)'))
+      break
+    if not last:
       fetch_start = time.perf_counter()
       batch = next(run.batches)
       data_time += time.perf_counter() - fetch_start
-  log.close()
   return state, history
 
 

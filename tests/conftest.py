@@ -42,7 +42,7 @@ def text_config(corpus, **mesh):
   """`small_config` reading the test corpus; lr kept small for equivalence checks (see
   `assert_params_close`)."""
   cfg = small_config(**mesh)
-  cfg.data.update(source='text', path=corpus)
+  cfg.data.update(source='files', path=corpus)
   cfg.optim.lr = 1e-3
   return cfg
 

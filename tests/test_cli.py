@@ -1,6 +1,7 @@
 """`python -m jaxllm.train` end to end, and the one-line errors bad input gets."""
 
 import json
+import math
 import os
 
 import pytest
@@ -8,13 +9,21 @@ import pytest
 from conftest import run_cli
 
 
-def test_tiny_config_trains_and_writes_metrics(tmp_path):
+def test_tiny_config_trains_evaluates_and_writes_metrics(tmp_path):
   workdir = tmp_path / 'run'
   result = run_cli('--config', 'configs/tiny.py', '--config.train.steps=60',
-                   '--config.train.log_every=20', f'--workdir={workdir}')
+                   '--config.train.log_every=20', '--config.data.eval_fraction=0.05',
+                   '--config.eval.every=30', f'--workdir={workdir}')
   assert result.returncode == 0, result.stderr[-2000:]
-  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  rows = [r for r in logged if 'loss' in r]
+  evals = [r for r in logged if 'eval_loss' in r]
   assert [r['step'] for r in rows] == [20, 40, 60]
+  assert [r['step'] for r in evals] == [30, 60]
+  assert evals[1]['eval_loss'] < evals[0]['eval_loss']
+  assert all(abs(r['eval_perplexity'] - math.exp(r['eval_loss'])) < 1e-6 * r['eval_perplexity']
+             for r in evals)
+  assert 'eval_loss' in result.stdout
   assert {'loss', 'grad_norm', 'lr', 'step_time', 'tokens_per_sec'} <= rows[0].keys()
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
   assert 'mesh  data=2 fsdp=2 pipe=1 tensor=2' in result.stdout
@@ -53,6 +62,29 @@ BAD_INPUTS = {
     'circular_repeats': (['--config.mesh.pipe=2', '--config.mesh.fsdp=1',
                           '--config.pipeline.schedule=circular'], 'pipeline.repeats'),
 }
+
+
+# Bad data and checkpoint input, made in the test's directory: name -> (files, args, field).
+BAD_FILES = {
+    'empty_dataset_dir': ({'empty/': ''}, ['--config.data.path={tmp}/empty'], 'data.path'),
+    'unknown_format': ({}, ['--config.data.format=csv'], 'data.format'),
+    'jsonl_without_field': ({'docs.jsonl': '{"body": "hello"}\n'},
+                            ['--config.data.path={tmp}/docs.jsonl'], 'data.text_field'),
+    'tokenizer_missing': ({}, ['--config.data.tokenizer={tmp}/tokenizer.json'], '/tokenizer.json'),
+    'checkpoint_dir_not_writable': ({'a_file': ''}, ['--config.checkpoint.dir={tmp}/a_file/ckpt'],
+                                    'checkpoint.dir'),
+}
+
+
+@pytest.mark.parametrize('files,args,field', BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_bad_data_or_checkpoint_input_is_one_readable_line(files, args, field, tmp_path):
+  for name, text in files.items():
+    if name.endswith('/'):
+      (tmp_path / name).mkdir()
+    else:
+      (tmp_path / name).write_text(text)
+  args = [a.format(tmp=tmp_path) for a in args]
+  test_bad_input_is_one_readable_line(args, field, tmp_path)
 
 
 @pytest.mark.parametrize('args,field', BAD_INPUTS.values(), ids=BAD_INPUTS.keys())

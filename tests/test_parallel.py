@@ -6,7 +6,8 @@ import pytest
 
 from conftest import assert_params_close, small_config, text_config
 from jaxllm.config import resolve_mesh
-from jaxllm.data import make_batches, resolve_files
+from jaxllm.data import make_batches
+from jaxllm.data.sources import resolve_files
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.train import setup, train
 

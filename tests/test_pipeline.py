@@ -25,14 +25,20 @@ def stack_config():
 
 
 def loss_and_grads(cfg, mesh, layers_fn):
-  """Loss and gradients (params, input) of sum(sin(stack(x))) for a fixed model and input."""
+  """Loss and gradients (params, input) of sum(sin(stack(x))) for a fixed model and input.
+
+  Rows are packed: row b holds a document of b % 7 + 1 tokens, then the next one, so every
+  micro-batch must travel with its own positions and segment ids."""
   with sharding_context(mesh, cfg.sharding.rules):
     graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
     x_BTD = jax.random.normal(jax.random.key(1), (16, 8, cfg.model.embed_dim))
-    positions_BT = jnp.broadcast_to(jnp.arange(8), (16, 8))
+    t, cut = np.arange(8), np.arange(16)[:, None] % 7 + 1
+    segment_ids_BT = jnp.asarray(np.where(t < cut, 1, 2))
+    positions_BT = jnp.asarray(np.where(t < cut, t, t - cut))
 
     def loss(params, x_BTD):
-      return jnp.sum(jnp.sin(layers_fn(graphdef, params, x_BTD, positions_BT)))
+      y = layers_fn(graphdef, params, x_BTD, positions_BT, segment_ids_BT)
+      return jnp.sum(jnp.sin(y))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x_BTD)
 
@@ -42,7 +48,7 @@ def plain_stack():
   """The reference: the scanned layer stack on one device."""
   mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), jax.devices()[:1])
   return loss_and_grads(stack_config(), mesh,
-                        lambda g, p, x, pos: nnx.merge(g, p).layers(x, pos))
+                        lambda g, p, x, pos, seg: nnx.merge(g, p).layers(x, pos, seg))
 
 
 CASES = [(S, R, M) for S in (2, 4) for R in (1, 2) for M in (S, 2 * S)]
@@ -56,11 +62,11 @@ def test_pipeline_equals_plain_stack(stages, repeats, microbatches, plain_stack)
   mesh = make_mesh(resolve_mesh(cfg.mesh, jax.device_count()))
   spec = PipelineSpec(stages, repeats, microbatches, 'step', bubble_fill=float('nan'))
 
-  def pipelined(graphdef, params, x_BTD, positions_BT):
+  def pipelined(graphdef, params, x_BTD, positions_BT, segment_ids_BT):
     # The pipeline stores circular layers stage-major; converting inside the loss returns
     # the gradients in layer order, comparable with the reference.
     model = nnx.merge(graphdef, to_stage_order(params, stages, repeats))
-    return pipeline_layers(model.blocks, x_BTD, positions_BT, spec, 'none')
+    return pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, spec, 'none')
 
   (loss, grads), (ref_loss, ref_grads) = loss_and_grads(cfg, mesh, pipelined), plain_stack
   assert np.isfinite(loss)

@@ -1,0 +1,161 @@
+"""Checkpoints through orbax: async saves of the train state, the data iterator's position and
+the config; restores onto whatever mesh the run has now.
+
+A checkpoint step directory holds three items: 'state' (step, params, optimizer state, in
+layer order whatever the pipeline schedule), 'data' (each process's grain iterator state) and
+'config' (the run's config as JSON). Orbax writes a step into a temporary directory and renames
+it when complete, so a save cut short by a crash never looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from ml_collections import ConfigDict
+
+from jaxllm.config import ConfigError
+
+# Model fields that fix parameter shapes; a checkpoint restores only where they all agree.
+SHAPE_FIELDS = ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
+                'mlp_dim', 'tie_embeddings', 'param_dtype')
+SET_ASIDE_SUFFIX = '.unreadable'
+
+
+def _warn(text: str) -> None:
+  if jax.process_index() == 0:
+    print(f'warning: {text}', file=sys.stderr)
+
+
+def restore_target(abstract_state, shardings):
+  """Shapes and dtypes with the *current* run's shardings: orbax reads each shard straight
+  into its place on the new mesh, so no array is ever whole on one device."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract_state, shardings)
+
+
+def _check_model_shape(saved: dict, model_cfg: ConfigDict, where: str) -> None:
+  for field in SHAPE_FIELDS:
+    was, now = saved['model'][field], model_cfg[field]
+    if was != now:
+      raise ConfigError(f'checkpoint {where} was saved with model.{field}={was!r} but this run '
+                        f'has model.{field}={now!r}; use the same model shape, or start a new '
+                        'run (another --workdir or checkpoint.dir).')
+
+
+def _saved_config(manager: ocp.CheckpointManager, step: int) -> dict:
+  return manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+
+
+class Checkpoints:
+  """The checkpoints of one run directory: save every `checkpoint.every` steps, keep the newest
+  `checkpoint.keep`, and restore the newest one that reads back."""
+
+  def __init__(self, directory: str, ckpt_cfg: ConfigDict):
+    self.directory = os.path.abspath(directory)
+    self.every = ckpt_cfg.every
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      probe = os.path.join(self.directory, f'.write-test-{os.getpid()}')
+      open(probe, 'w').close()
+      os.remove(probe)
+    except OSError as e:
+      raise ConfigError(f'checkpoint.dir={self.directory!r} is not writable ({e.strerror}); '
+                        'point checkpoint.dir (or --workdir) at a directory you can write to.'
+                        ) from None
+    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        max_to_keep=ckpt_cfg.keep, enable_async_checkpointing=ckpt_cfg.async_save, create=True))
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def save(self, step: int, state, batches, cfg: ConfigDict) -> None:
+    """Starts writing `state` (in layer order) and the data position reached after `step`.
+
+    Returns once the arrays are copied off the devices; the files are written in the
+    background while training goes on."""
+    items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(cfg.to_dict()))
+    if isinstance(batches, grain.DatasetIterator):
+      items['data'] = grain.checkpoint.CheckpointSave(batches)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def saved_config(self, step: int) -> dict:
+    return _saved_config(self.manager, step)
+
+  def restore_latest(self, target, batches, model_cfg: ConfigDict):
+    """The newest checkpoint that reads back, restored into `target`'s shapes and shardings
+    (and `batches` moved to its data position); None when there is none.
+
+    A checkpoint that fails to read while an older one reads is set aside (renamed, never
+    deleted) with a warning. When none reads, that is an error: nothing is set aside.
+    """
+    steps = self.steps()
+    failures = []
+    for step in reversed(steps):
+      where = os.path.join(self.directory, str(step))
+      try:
+        saved = self.saved_config(step)
+      except Exception as e:  # a damaged or missing config item
+        failures.append((step, f'config: {type(e).__name__}: {str(e).splitlines()[0][:200]}'))
+        continue
+      _check_model_shape(saved, model_cfg, where)  # a mismatch is the user's to fix: no fallback
+      items = dict(state=ocp.args.StandardRestore(target))
+      if isinstance(batches, grain.DatasetIterator):
+        items['data'] = grain.checkpoint.CheckpointRestore(batches)
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+      except Exception as e:  # orbax and tensorstore raise many kinds for damaged files
+        failures.append((step, f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'))
+        continue
+      for bad_step, reason in failures:
+        bad = os.path.join(self.directory, str(bad_step))
+        os.replace(bad, bad + SET_ASIDE_SUFFIX)
+        _warn(f'checkpoint {bad} could not be read ({reason}); set it aside as '
+              f'{bad}{SET_ASIDE_SUFFIX} and resumed from step {step}.')
+      if failures:
+        self.manager.reload()
+      return restored.state
+    if failures:
+      step, reason = failures[0]
+      raise ConfigError(f'no checkpoint in {self.directory} could be read (step {step}: '
+                        f'{reason}); move the directory away to start afresh, or fix it.')
+    return None
+
+  def wait(self) -> None:
+    """Blocks until every save in flight is on disk."""
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def restore_params(path: str, target_params, model_cfg: ConfigDict):
+  """Parameters only, from a checkpoint directory (its newest step) or one step directory in
+  it, laid out as `target_params` says: the start of a fine-tuning run."""
+  path = os.path.abspath(path)
+  if not os.path.isdir(path):
+    raise ConfigError(f'init_from={path!r} is not a directory; give a checkpoint directory '
+                      'or one of its step directories.')
+  if os.path.isdir(os.path.join(path, 'state')):  # a step directory
+    directory, step = os.path.dirname(path), os.path.basename(path)
+  else:
+    directory, step = path, None
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+  try:
+    step = int(step) if step is not None else manager.latest_step()
+    if step is None:
+      raise ConfigError(f'init_from={path!r} holds no checkpoints; give a directory that '
+                        'train wrote checkpoints into.')
+    _check_model_shape(_saved_config(manager, step), model_cfg,
+                       os.path.join(directory, str(step)))
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            item={'params': target_params},
+            restore_args={'params': ocp.checkpoint_utils.construct_restore_args(target_params)},
+            partial_restore=True)))
+  finally:
+    manager.close()
+  return restored.state['params']
