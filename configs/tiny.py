@@ -18,6 +18,8 @@ def get_config():
   c.mesh.update(data=2, fsdp=2, pipe=1, tensor=2)
   c.train.update(steps=300, log_every=20, global_batch=16, micro_batches=1)
   c.optim.update(lr=3e-3, warmup_steps=20)
-  c.data.update(source='files', seq_len=128,
+  c.data.update(source='files', seq_len=128, eval_fraction=0.02,
                 path=os.path.join(sysconfig.get_paths()['stdlib'], '*.py'))
+  c.eval.every = 100
+  c.checkpoint.every = 100
   return c

@@ -82,6 +82,8 @@ class MetricsLog:
              f'tokens/s {row["tokens_per_sec"]:,.0f}']
     if 'mfu' in row:
       parts.append(f'mfu {100 * row["mfu"]:.1f}%')
+    if row.get('save_time'):
+      parts.append(f'saved (blocked {row["save_time"]:.2f}s)')
     tqdm.write('  '.join(parts), file=sys.stdout)
 
   def write_eval(self, row: dict) -> None:

@@ -218,8 +218,11 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
 
 
 def _interval_row(run: Run, step: int, values: list[dict], seconds: float,
-                  data_seconds: float) -> dict:
-  """The logged row of one interval: means over its steps (finite ones, if any were not)."""
+                  data_seconds: float, save_seconds: float) -> dict:
+  """The logged row of one interval: means over its steps (finite ones, if any were not).
+
+  `seconds` is the loop's time for the interval less saving and evaluating; `save_time` is
+  how long saves blocked the loop in the interval."""
   cfg = run.cfg
   step_time = seconds / len(values)
   good = [v for v in values if v['finite']] or values
@@ -229,6 +232,7 @@ def _interval_row(run: Run, step: int, values: list[dict], seconds: float,
          'lr': float(values[-1]['lr']),
          'step_time': step_time,
          'data_time': data_seconds / len(values),
+         'save_time': save_seconds,
          'tokens_per_sec': cfg.train.global_batch * cfg.data.seq_len / step_time}
   peak = metrics.peak_flops(run.mesh.devices.flat[0], cfg.train.peak_flops)
   if peak:
@@ -250,8 +254,9 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog, pree
     step_fn = run.train_step.lower(state, batch).compile()
   log.info(f'compiled the train step in {time.perf_counter() - start:.1f}s')
 
-  history, pending, data_time, last_saved = [], [], 0.0, None
+  history, pending, last_saved = [], [], None
   pending_first = first  # the step of pending[0]
+  data_time = save_time = aside = 0.0  # seconds this interval; `aside`: saving and evaluating
   interval_start = time.perf_counter()
   for step in range(first, cfg.train.steps + 1):
     state, step_metrics = step_fn(state, batch)
@@ -266,18 +271,24 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog, pree
       if save:
         # Saved after `step` batches were drawn and before the next, so a resumed run reads
         # on from exactly here.
+        save_start = time.perf_counter()
         ckpt.save(step, _layer_order(run, state), run.batches, cfg)
+        save_time += time.perf_counter() - save_start
         last_saved = step
       if step % cfg.train.log_every == 0 or last or stopping:
-        row = _interval_row(run, step, values, time.perf_counter() - interval_start, data_time)
+        seconds = time.perf_counter() - interval_start - save_time - aside
+        row = _interval_row(run, step, values, seconds, data_time, save_time)
         if cfg.train.skip_nonfinite:
           row['skipped'] = skipped
         history.append(row)
         log.write(row, len(values))
-        pending, data_time, pending_first = [], 0.0, step + 1
+        pending, pending_first = [], step + 1
+        data_time = save_time = aside = 0.0
         interval_start = time.perf_counter()
     if run.eval_batches and step % cfg.eval.every == 0:
+      eval_start = time.perf_counter()
       log.write_eval({'step': step, **evaluate(run, eval_step, state)})
+      aside += time.perf_counter() - eval_start
     if stopping:
       log.info(f'stopped by a signal after step {step}' +
                (f'; saved a checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoint dir)'))

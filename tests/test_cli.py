@@ -25,6 +25,9 @@ def test_tiny_config_trains_evaluates_and_writes_metrics(tmp_path):
              for r in evals)
   assert 'eval_loss' in result.stdout
   assert {'loss', 'grad_norm', 'lr', 'step_time', 'tokens_per_sec'} <= rows[0].keys()
+  # Only the last interval saved (checkpoint.every=100 > steps), and the log says so.
+  assert [r['save_time'] > 0 for r in rows] == [False, False, True]
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['60']
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
   assert 'mesh  data=2 fsdp=2 pipe=1 tensor=2' in result.stdout
   assert json.loads((workdir / 'config.json').read_text())['mesh']['tensor'] == 2
