@@ -56,7 +56,6 @@ class Checkpoints:
 
   def __init__(self, directory: str, ckpt_cfg: ConfigDict):
     self.directory = os.path.abspath(directory)
-    self.every = ckpt_cfg.every
     try:
       os.makedirs(self.directory, exist_ok=True)
       probe = os.path.join(self.directory, f'.write-test-{os.getpid()}')
@@ -82,9 +81,6 @@ class Checkpoints:
       items['data'] = grain.checkpoint.CheckpointSave(batches)
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def saved_config(self, step: int) -> dict:
-    return _saved_config(self.manager, step)
-
   def restore_latest(self, target, batches, model_cfg: ConfigDict):
     """The newest checkpoint that reads back, restored into `target`'s shapes and shardings
     (and `batches` moved to its data position); None when there is none.
@@ -97,7 +93,7 @@ class Checkpoints:
     for step in reversed(steps):
       where = os.path.join(self.directory, str(step))
       try:
-        saved = self.saved_config(step)
+        saved = _saved_config(self.manager, step)
       except Exception as e:  # a damaged or missing config item
         failures.append((step, f'config: {type(e).__name__}: {str(e).splitlines()[0][:200]}'))
         continue

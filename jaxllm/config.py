@@ -210,6 +210,10 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
     section, name = field.split('.')
     if cfg[section][name] < least:
       raise ConfigError(f'{field}={cfg[section][name]} must be at least {least}.')
+  if cfg.eval.every and (cfg.data.source != 'files' or
+                         not (cfg.data.eval_path or cfg.data.eval_fraction)):
+    raise ConfigError(f'eval.every={cfg.eval.every} needs a held-out split of file data: set '
+                      'data.eval_path or data.eval_fraction, or eval.every=0.')
 
   for field in ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads',
                 'head_dim', 'mlp_dim'):

@@ -54,6 +54,7 @@ BAD_INPUTS = {
     'unknown_section': (['--config.modle.num_layers=2'], 'modle'),
     'bad_value': (['--config.mesh.data=two'], 'mesh.data'),
     'missing_data': (['--config.data.path=/nonexistent/corpus/*.txt'], 'data.path'),
+    'eval_without_split': (['--config.data.eval_fraction=0'], 'eval.every'),
     'remat_policy': (['--config.model.remat=sometimes'], 'model.remat'),
     'two_fill_axes': (['--config.mesh.data=-1', '--config.mesh.fsdp=-1'], 'mesh'),
     'layers_vs_stages': (['--config.mesh.pipe=8', '--config.mesh.data=1', '--config.mesh.fsdp=1',
