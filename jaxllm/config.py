@@ -160,6 +160,12 @@ def default_config() -> ConfigDict:
   # Start from the parameters of this checkpoint (a checkpoint dir or one step in it) and
   # fresh optimizer state: fine-tuning. Ignored when the run has checkpoints of its own.
   c.init_from = ''
+
+  # A jax.profiler trace of steps start_step … start_step+steps-1 into <workdir>/profile.
+  c.profile = ConfigDict(dict(
+      start_step=0,        # the first step traced; 0: no trace. Past the first few, which warm up
+      steps=3,             # steps traced; a few suffice and traces grow quickly
+  ))
   return c
 
 
@@ -206,7 +212,8 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   if not 0 <= cfg.data.eval_fraction < 1:
     raise ConfigError(f'data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1).')
   for field, least in (('eval.every', 0), ('eval.batches', 1), ('checkpoint.every', 0),
-                       ('checkpoint.keep', 1), ('data.prefetch', 0)):
+                       ('checkpoint.keep', 1), ('data.prefetch', 0), ('profile.start_step', 0),
+                       ('profile.steps', 1)):
     section, name = field.split('.')
     if cfg[section][name] < least:
       raise ConfigError(f'{field}={cfg[section][name]} must be at least {least}.')

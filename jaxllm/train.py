@@ -177,6 +177,58 @@ def _check_finite(values: list[dict], first_step: int, cfg: ConfigDict, last_sav
   return len(bad)
 
 
+class StepTrace:
+  """A jax.profiler trace of steps profile.start_step … start_step+steps-1 into
+  `<workdir>/profile`, on process 0 only. As a context manager it also ends a trace the loop
+  left running (the run stopped or failed inside the traced steps).
+
+  `before(step)` and `after(step, state)` return the seconds they spent starting and writing
+  the trace, which the loop keeps out of step_time as it does evaluation."""
+
+  def __init__(self, profile: ConfigDict, workdir: str | None, log: metrics.MetricsLog):
+    self.first, self.last = profile.start_step, profile.start_step + profile.steps - 1
+    self.directory = os.path.join(workdir, 'profile') if workdir else None
+    self.log = log
+    self.enabled = bool(self.first and workdir) and metrics.is_logging_process()
+    self.tracing = False
+    self.state, self.step = None, None  # the newest traced step and its state
+    if self.first and not workdir:
+      log.info(f'profile  no trace: profile.start_step={self.first} needs a run with a workdir')
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, exc_type, *_):
+    if self.tracing:
+      self._stop(block=exc_type is None)  # after an error the state may already be donated
+
+  def before(self, step: int) -> float:
+    if not (self.enabled and step == self.first):
+      return 0.0
+    start = time.perf_counter()
+    # create_perfetto_trace also writes perfetto_trace.json.gz, which ui.perfetto.dev opens.
+    jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+    self.tracing, self.step = True, step
+    return time.perf_counter() - start
+
+  def after(self, step: int, state) -> float:
+    if not self.tracing:
+      return 0.0
+    self.state, self.step = state, step
+    return self._stop(block=True) if step == self.last else 0.0
+
+  def _stop(self, block: bool) -> float:
+    """Ends the trace once the traced device work is done; returns the seconds spent writing."""
+    if block and self.state is not None:
+      jax.block_until_ready(self.state)  # device time, counted as the step's
+    start = time.perf_counter()
+    jax.profiler.stop_trace()
+    self.tracing, self.state = False, None
+    self.log.info(f'profile  steps {self.first}–{self.step} traced into {self.directory} '
+                  "(open in Perfetto: ui.perfetto.dev, or TensorBoard's profile plugin)")
+    return time.perf_counter() - start
+
+
 def evaluate(run: Run, eval_step, state: TrainState) -> dict[str, float]:
   """Token-mean loss and perplexity over the eval split's batches."""
   with sharding_context(run.mesh, run.cfg.sharding.rules):
@@ -207,8 +259,8 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
       log.info(f'nothing to do: the state is at step {first - 1} of train.steps='
                f'{cfg.train.steps}.')
       return state, history
-    with preemption_signals() as preempted:
-      state, history = _loop(run, state, first, log, preempted)
+    with preemption_signals() as preempted, StepTrace(cfg.profile, workdir, log) as trace:
+      state, history = _loop(run, state, first, log, preempted, trace)
   finally:
     if run.checkpoints:
       run.checkpoints.wait()  # a save in flight completes even when the run stops on an error
@@ -243,8 +295,10 @@ def _interval_row(run: Run, step: int, values: list[dict], seconds: float,
   return row
 
 
-def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog, preempted):
-  """Steps from `first` to train.steps: logs per interval, saves, evaluates, stops on a signal."""
+def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog, preempted,
+          trace: StepTrace | None = None):
+  """Steps from `first` to train.steps: logs per interval, saves, evaluates, stops on a signal;
+  `trace` profiles the steps it asks for."""
   cfg, ckpt = run.cfg, run.checkpoints
   eval_step = jax.jit(lambda params, batch: loss_terms(run.graphdef, params, batch, run.pipeline))
 
@@ -256,10 +310,14 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog, pree
 
   history, pending, last_saved = [], [], None
   pending_first = first  # the step of pending[0]
-  data_time = save_time = aside = 0.0  # seconds this interval; `aside`: saving and evaluating
+  data_time = save_time = aside = 0.0  # seconds this interval; `aside`: evaluating, profiling
   interval_start = time.perf_counter()
   for step in range(first, cfg.train.steps + 1):
+    if trace:
+      aside += trace.before(step)
     state, step_metrics = step_fn(state, batch)
+    if trace:
+      aside += trace.after(step, state)
     pending.append(step_metrics)
     last = step == cfg.train.steps
     stopping = preempted.is_set()  # read once: a signal may land at any moment

@@ -77,7 +77,13 @@ def corpus(tmp_path_factory) -> str:
   return str(root)
 
 
-def run_cli(*args, timeout=300):
-  """Runs `python -m jaxllm.train ...` in a fresh process from the repository root."""
-  return subprocess.run([sys.executable, '-m', 'jaxllm.train', *args], cwd=REPO,
+def run_cli(*args, module='jaxllm.train', timeout=300):
+  """Runs `python -m <module> ...` in a fresh process from the repository root."""
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO,
                         capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def tiny_config():
+  from jaxllm.config import load_config
+  return load_config(os.path.join(REPO, 'configs', 'tiny.py'))

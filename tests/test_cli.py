@@ -65,6 +65,8 @@ BAD_INPUTS = {
                         '--config.pipeline.microbatches=3'], 'pipeline.microbatches'),
     'circular_repeats': (['--config.mesh.pipe=2', '--config.mesh.fsdp=1',
                           '--config.pipeline.schedule=circular'], 'pipeline.repeats'),
+    'profile_steps': (['--config.profile.start_step=5', '--config.profile.steps=0'],
+                      'profile.steps'),
 }
 
 

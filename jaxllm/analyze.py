@@ -1,0 +1,312 @@
+"""`python -m jaxllm.analyze --config configs/X.py [--devices N] [--hardware h100-nvlink]`
+
+Compiles the train step ahead of time from shapes alone (nothing is allocated, so a 70B
+config can be analysed with N simulated CPU devices) and reports, per device: memory by kind
+and whether it fits; model FLOPs beside the compiled program's; every collective grouped by
+the mesh axes it runs over, with the analytic bytes beside the compiled; the pipeline bubble;
+and a predicted step time and MFU on a hardware profile.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+from ml_collections import ConfigDict
+
+from jaxllm import hlo, metrics
+from jaxllm.config import ConfigError, main_guard, parse_command_line, resolve_mesh, validate
+from jaxllm.hardware import PROFILES, Hardware, axis_crosses_nodes, hardware_profile
+from jaxllm.mesh import batch_sharding, make_mesh, sharding_context, spec_axes
+from jaxllm.optim import lr_schedule, make_optimizer
+from jaxllm.pipeline import PipelineSpec, pipeline_spec
+from jaxllm.step import make_train_step, state_shapes
+
+DEVICES = flags.DEFINE_integer('devices', 0, 'Analyse for this many devices, simulated on the '
+                                'CPU (default: the devices present, or config.cpu_devices).')
+HARDWARE = flags.DEFINE_string('hardware', 'h100-nvlink',
+                                f'Hardware profile: {", ".join(PROFILES)}.')
+DEVICE_MEMORY = flags.DEFINE_float('device_memory', 0.0,
+                                    'Memory of one device in GB (default: the profile\'s).')
+_JSON = flags.DEFINE_bool('json', False, 'Print the report as JSON.')
+
+
+@dataclasses.dataclass
+class Compiled:
+  """A train step compiled from shapes, and what it was compiled for."""
+  cfg: ConfigDict
+  mesh_shape: dict[str, int]
+  pipeline: PipelineSpec | None
+  state_bytes: dict[str, int]  # per device: 'params', 'optimizer'
+  fsdp_split_bytes: int        # per device: of the params, those split over fsdp
+  lookup_only_bytes: int       # of those, the input embedding's when untied (see expected_bytes)
+  block_split_bytes: int       # of those, the layer stack's
+  executable: jax.stages.Compiled
+
+
+def shard_bytes(tree) -> int:
+  """Bytes of `tree`'s abstract arrays that one device holds (the largest shard of each)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
+  """The train step compiled ahead of time from abstract state and batch shapes."""
+  devices = jax.devices() if devices is None else devices
+  mesh_shape = resolve_mesh(cfg.mesh, len(devices))
+  validate(cfg, mesh_shape)
+  mesh = make_mesh(mesh_shape, devices)
+  pipeline = pipeline_spec(cfg, mesh_shape['pipe'])
+  tx = make_optimizer(cfg.optim, cfg.train.steps)
+  graphdef, abstract, shardings = state_shapes(cfg.model, tx, mesh, cfg.sharding.rules,
+                                               cfg.train.seed, pipeline)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       abstract, shardings)
+  rows = (cfg.train.global_batch, cfg.data.seq_len)
+  sharding = batch_sharding(mesh, cfg.sharding.rules, 2)
+  ints = jax.ShapeDtypeStruct(rows, jnp.int32, sharding=sharding)
+  batch = {'inputs': ints, 'targets': ints, 'positions': ints,
+           'mask': jax.ShapeDtypeStruct(rows, jnp.float32, sharding=sharding)}
+  if cfg.data.packing and cfg.data.source == 'files':
+    batch['segment_ids'] = ints
+  step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
+                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite)
+  with sharding_context(mesh, cfg.sharding.rules):
+    executable = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None)).lower(
+        state, batch).compile()
+  fsdp_split = [x for x in jax.tree.leaves(state.params) if 'fsdp' in spec_axes_of(x.sharding)]
+  lookup_only = ([] if cfg.model.tie_embeddings else
+                 [x for x in [state.params['embed_VD']] if 'fsdp' in spec_axes_of(x.sharding)])
+  return Compiled(cfg, mesh_shape, pipeline,
+                  {'params': shard_bytes(state.params), 'optimizer': shard_bytes(state.opt_state)},
+                  shard_bytes(fsdp_split), shard_bytes(lookup_only),
+                  shard_bytes([x for x in jax.tree.leaves(state.params['blocks'])
+                               if 'fsdp' in spec_axes_of(x.sharding)]), executable)
+
+
+def spec_axes_of(sharding) -> set[str]:
+  return {a for entry in sharding.spec for a in spec_axes(entry)}
+
+
+def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
+  """Analytic bytes each device sends per step over each single mesh axis (performance-model.md).
+
+  data: a ring all-reduce of the gradients, 2(N−1)/N·P, once per step.
+  fsdp: all-gather in forward and backward and a reduce-scatter of the gradients, 3(N−1)/N·P
+    of the fsdp-split parameters, per micro-batch; gathered once, 2(N−1)/N·P, are an untied
+    input embedding (its backward is a scatter-add that needs no weights) and, under a
+    pipeline with gather_weights='step', the stage weights; the parameters fsdp does not
+    split (norm scales) are all-reduced, 2(N−1)/N·P. (No figure for gather_weights='iteration'.)
+  tensor: 4 all-reduces of b·s·h per layer and micro-batch (2 forward, 2 backward).
+  pipe: b·s·h/M forward and backward in each of the R·M+S−1 iterations of the scanned
+    schedule (bubble iterations shift too); and the whole b·s·h into the first stage (a
+    permute) and out of the last (summed over pipe: an all-reduce), forward and backward.
+  P is the parameter bytes on one device before the axis' own split; b the rows on one device.
+  """
+  cfg, shape = c.cfg, c.mesh_shape
+  m, t = cfg.model, cfg.train
+  act_bytes = jnp.dtype(m.dtype).itemsize
+  shards = shape['data'] * shape['fsdp']
+  rows = t.global_batch // t.micro_batches // shards  # b per micro-batch on one device
+  bsh = rows * cfg.data.seq_len * m.embed_dim * act_bytes
+  params = c.state_bytes['params']
+  expected = {}
+  n = shape['data']
+  if n > 1:
+    expected[('data',)] = 2 * (n - 1) / n * params
+  n = shape['fsdp']
+  if n > 1 and not (c.pipeline and c.pipeline.gather_weights == 'iteration'):
+    # Whole (before the fsdp split) bytes gathered twice (forward, backward), once, or never.
+    twice = n * (c.fsdp_split_bytes - c.lookup_only_bytes)
+    once = n * c.lookup_only_bytes
+    if c.pipeline:  # gather_weights='step': stage weights gathered once for all iterations
+      twice, once = twice - n * c.block_split_bytes, once + n * c.block_split_bytes
+    unsplit = params - c.fsdp_split_bytes
+    expected[('fsdp',)] = t.micro_batches * (n - 1) / n * (3 * twice + 2 * once + 2 * unsplit)
+  n = shape['tensor']
+  if n > 1:
+    expected[('tensor',)] = 4 * m.num_layers * t.micro_batches * 2 * (n - 1) / n * bsh
+  if c.pipeline:
+    p = c.pipeline
+    shifts = 2 * p.iterations * bsh / p.microbatches
+    into_and_out = 2 * bsh + 2 * 2 * (p.stages - 1) / p.stages * bsh
+    expected[('pipe',)] = t.micro_batches * (shifts + into_and_out)
+  return expected
+
+
+def collective_table(c: Compiled, hardware: Hardware) -> list[dict]:
+  """The compiled collectives grouped by (mesh axes, kind): count, bytes, analytic, time."""
+  groups = collections.defaultdict(lambda: {'count': 0, 'bytes': 0.0, 'rewritten': 0})
+  for x in hlo.collectives(c.executable.as_text(), c.mesh_shape):
+    g = groups[(x.axes, x.kind)]
+    g['count'] += x.count
+    g['bytes'] += x.bytes
+    g['rewritten'] += x.count if (x.from_all_reduce or x.summed) else 0
+  expected = expected_bytes(c)
+  per_axes = collections.Counter()
+  for (axes, _), g in groups.items():
+    per_axes[axes] += g['bytes']
+  rows = []
+  for (axes, kind), g in sorted(groups.items()):
+    crosses = axis_crosses_nodes(c.mesh_shape, axes, hardware.devices_per_node)
+    bandwidth, latency = ((hardware.inter_node_bw, hardware.inter_node_latency) if crosses else
+                          (hardware.intra_node_bw, hardware.intra_node_latency))
+    rows.append({'axes': list(axes), 'kind': kind, 'count': g['count'], 'bytes': g['bytes'],
+                 'rewritten': g['rewritten'], 'crosses_nodes': crosses,
+                 'seconds': g['bytes'] / bandwidth + g['count'] * latency})
+  totals = []
+  for axes, compiled in sorted(per_axes.items()):
+    analytic = expected.get(axes)
+    totals.append({'axes': list(axes), 'bytes': compiled, 'analytic': analytic,
+                   'ratio': compiled / analytic if analytic else None})
+  return rows, totals
+
+
+def memory(c: Compiled) -> dict[str, float]:
+  """Per-device bytes: state from its shardings, the rest from the compiler's analysis."""
+  stats = c.executable.memory_analysis()
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  return {'params': c.state_bytes['params'], 'optimizer': c.state_bytes['optimizer'],
+          'gradients': c.state_bytes['params'],  # as the params; held among the temporaries
+          'temporaries': stats.temp_size_in_bytes, 'peak': peak}
+
+
+def predict(c: Compiled, collectives: list[dict], flops_per_device: float,
+            hardware: Hardware) -> dict[str, float]:
+  """Step time on `hardware`: compute at the profile's matmul rate; tensor and pipe traffic
+  exposed (it sits between dependent matmuls); data and fsdp traffic overlapped with compute
+  by XLA's scheduler, exposed only where it outlasts the compute. The bubble is the schedule's
+  idle share of the compute (its iterations run on zeros)."""
+  compute = flops_per_device / (hardware.peak_flops * hardware.matmul_efficiency)
+  serial = sum(r['seconds'] for r in collectives if set(r['axes']) & {'tensor', 'pipe'})
+  overlapped = sum(r['seconds'] for r in collectives if not set(r['axes']) & {'tensor', 'pipe'})
+  bubble = compute * (c.pipeline.bubble_fraction if c.pipeline else 0.0)
+  exposed = serial + max(0.0, overlapped - compute)
+  step = compute + exposed
+  cfg = c.cfg
+  devices = math.prod(c.mesh_shape.values())
+  tokens = cfg.train.global_batch * cfg.data.seq_len
+  model_flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)['full'] * tokens
+  return {'compute_s': compute - bubble, 'bubble_s': bubble, 'exposed_comm_s': exposed,
+          'step_s': step, 'tokens_per_s': tokens / step,
+          'mfu': model_flops / (step * devices * hardware.peak_flops)}
+
+
+def analyze(cfg: ConfigDict, hardware: Hardware, devices=None) -> dict:
+  """The whole report as a JSON-ready dict."""
+  c = compile_step(cfg, devices)
+  rows, totals = collective_table(c, hardware)
+  m, t = cfg.model, cfg.train
+  devices_n = math.prod(c.mesh_shape.values())
+  tokens = t.global_batch * cfg.data.seq_len
+  flops = metrics.flops_per_token(m, cfg.data.seq_len)
+  compiled_flops = hlo.dot_flops(c.executable.as_text())
+  mem = memory(c)
+  counts = metrics.param_counts(m)
+  return {
+      'mesh': c.mesh_shape, 'hardware': dataclasses.asdict(hardware),
+      'params': {'total': counts['total'],
+                 'per_device': c.state_bytes['params'] // jnp.dtype(m.param_dtype).itemsize},
+      'memory': mem, 'fits': mem['peak'] <= hardware.memory,
+      'flops': {'model_per_token': flops['full'], 'model_per_token_causal': flops['causal'],
+                'model_per_step': flops['full'] * tokens,
+                'compiled_per_device': compiled_flops,
+                'compiled_per_step': compiled_flops * devices_n},
+      'pipeline': (None if not c.pipeline else {
+          'stages': c.pipeline.stages, 'repeats': c.pipeline.repeats,
+          'microbatches': c.pipeline.microbatches, 'bubble': c.pipeline.bubble_fraction}),
+      'collectives': rows, 'per_axis': totals,
+      'prediction': predict(c, rows, compiled_flops, hardware),
+  }
+
+
+def seconds_text(s: float) -> str:
+  return f'{s * 1e3:,.2f} ms' if s >= 1e-3 else f'{s * 1e6:,.2f} µs'
+
+
+def size_text(n: float) -> str:
+  for unit, scale in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+    if abs(n) >= scale:
+      return f'{n / scale:,.2f} {unit}'
+  return f'{n:,.0f} B'
+
+
+def format_report(r: dict) -> str:
+  hw, mem, fl, pr = r['hardware'], r['memory'], r['flops'], r['prediction']
+  devices = math.prod(r['mesh'].values())
+  lines = [
+      f'mesh     {" ".join(f"{a}={n}" for a, n in r["mesh"].items())}  ({devices} devices)',
+      f'params   {r["params"]["total"] / 1e6:,.2f}M total, {r["params"]["per_device"] / 1e6:,.2f}M '
+      'per device',
+      'memory per device:',
+      f'  params       {size_text(mem["params"]):>12}',
+      f'  optimizer    {size_text(mem["optimizer"]):>12}',
+      f'  gradients    {size_text(mem["gradients"]):>12}   (as the params; among the temporaries)',
+      f'  temporaries  {size_text(mem["temporaries"]):>12}   (activations, gradients, workspace: '
+      'the compiler\'s figure)',
+      f'  peak         {size_text(mem["peak"]):>12}   '
+      f'{"fits" if r["fits"] else "does NOT fit"} {hw["name"]} ({size_text(hw["memory"])})',
+      f'FLOPs    model {fl["model_per_token"] / 1e9:,.3f} GFLOP/token (6N + 12LHQT; '
+      f'{fl["model_per_token_causal"] / 1e9:,.3f} with causal halving), '
+      f'{fl["model_per_step"] / 1e12:,.3f} TFLOP/step; compiled matmuls '
+      f'{fl["compiled_per_step"] / 1e12:,.3f} TFLOP/step '
+      f'({fl["compiled_per_step"] / fl["model_per_step"]:.2f}× model)',
+  ]
+  if r['pipeline']:
+    p = r['pipeline']
+    lines.append(f'pipeline S={p["stages"]} R={p["repeats"]} M={p["microbatches"]}: bubble '
+                 f'{p["bubble"]:.1%}')
+  lines.append('collectives per step, bytes sent by one device:')
+  lines.append(f'  {"axes":16} {"kind":19} {"count":>7} {"bytes":>12} {"time":>10}  link')
+  for c in r['collectives']:
+    note = '*' if c['rewritten'] else ' '
+    lines.append(f'  {",".join(c["axes"]):16} {c["kind"] + note:19} {c["count"]:>7,} '
+                 f'{size_text(c["bytes"]):>12} {seconds_text(c["seconds"]):>10}  '
+                 f'{"inter-node" if c["crosses_nodes"] else "intra-node"}')
+  if any(c['rewritten'] for c in r['collectives']):
+    lines.append('  * counted as an accelerator runs it: an all-reduce whose result is only '
+                 'sliced is a reduce-scatter; all-reduced values that are only summed are '
+                 'reduced once')
+  lines.append('per axis, compiled against analytic (see `expected_bytes`):')
+  for a in r['per_axis']:
+    analytic = (f'{size_text(a["analytic"]):>12}  ratio {a["ratio"]:.3f}' if a['analytic']
+                else f'{"–":>12}')
+    lines.append(f'  {",".join(a["axes"]):16} {size_text(a["bytes"]):>12}  analytic {analytic}')
+  lines.append(
+      f'predicted on {hw["name"]}: step {seconds_text(pr["step_s"])} = compute '
+      f'{seconds_text(pr["compute_s"])} + bubble {seconds_text(pr["bubble_s"])} + exposed '
+      f'communication {seconds_text(pr["exposed_comm_s"])}; {pr["tokens_per_s"]:,.0f} tokens/s, '
+      f'MFU {pr["mfu"]:.1%} (matmuls at {hw["matmul_efficiency"]:.0%} of peak)')
+  return '\n'.join(lines)
+
+
+def parse_and_place(argv: list[str]):
+  """The config and workdir from the command line, with JAX set to the devices to analyse:
+  --devices N simulated on the CPU, else those present (config.cpu_devices on a CPU)."""
+  cfg, workdir = parse_command_line(argv)
+  if DEVICES.value < 0:
+    raise ConfigError(f'--devices={DEVICES.value} must be positive.')
+  if DEVICES.value:  # must happen before JAX starts its backends
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', DEVICES.value)
+  elif cfg.cpu_devices:
+    jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
+  if cfg.model.attention == 'cudnn' and jax.default_backend() != 'gpu':
+    cfg.model.attention = 'xla'  # the same matmuls; the fused kernel needs a GPU to compile
+  return cfg, workdir
+
+
+def main(argv: list[str]) -> None:
+  cfg, _ = parse_and_place(argv)
+  report = analyze(cfg, hardware_profile(HARDWARE.value, DEVICE_MEMORY.value))
+  print(json.dumps(report, indent=2) if _JSON.value else format_report(report))
+
+
+if __name__ == '__main__':
+  main_guard(main)

@@ -1,0 +1,327 @@
+"""The collectives of a compiled step, read from its optimized HLO text.
+
+For each collective: its kind, the mesh axes its device groups span, how many times it runs
+per step (loop trip counts multiplied through) and the bytes each device sends, by the ring
+formulas of a collective over N devices holding S bytes (result size):
+all-reduce 2(N−1)/N·S; all-gather and all-to-all (N−1)/N·S; reduce-scatter (N−1)·S (S is the
+scattered piece); collective-permute S.
+
+Backends without a reduce-scatter rewrite (the CPU) emit an all-reduce whose result is only
+ever sliced down to 1/N; on GPU and TPU XLA turns exactly that pattern into a reduce-scatter.
+Such all-reduces are reported as reduce-scatters (`from_all_reduce=True`) so that the bytes
+match what an accelerator moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
+DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
+               'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8}
+# Ops that pass a value on whole (same elements), looked through when following a result.
+PASS_THROUGH = ('bitcast', 'copy', 'reshape', 'transpose')
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  shape: str       # e.g. 'f32[4,8]{1,0}' or a tuple '(f32[4]{0}, s32[])'
+  opcode: str
+  operands: list[str]
+  args: str        # the text inside the parentheses (a parameter's number)
+  attrs: str
+
+
+@dataclasses.dataclass
+class Collective:
+  kind: str                 # one of KINDS
+  axes: tuple[str, ...]     # mesh axes the device groups span
+  group_size: int
+  count: int                # executions per step
+  bytes_per_call: float     # bytes one device sends per execution
+  from_all_reduce: bool = False  # compiled as an all-reduce whose result is only sliced
+  summed: int = 0                # all-reduced values left out: only added to another one
+
+  @property
+  def bytes(self) -> float:
+    return self.count * self.bytes_per_call
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the bracket group opening at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] in '({[':
+      depth += 1
+    elif text[i] in ')}]':
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  raise ValueError(f'unbalanced: {text[start:start + 80]}')
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+  m = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = ', line)
+  if not m:
+    return None
+  rest = line[m.end():]
+  end = _balanced(rest, 0) if rest.startswith('(') else rest.index(' ')
+  shape, rest = rest[:end], rest[end:].lstrip()
+  op = re.match(r'([\w\-]+)\(', rest)
+  if not op:
+    return None
+  close = _balanced(rest, op.end() - 1)
+  args = rest[op.end():close - 1]
+  return Instruction(m.group(1), shape, op.group(1), re.findall(r'%([\w.\-]+)', args), args,
+                     rest[close:])
+
+
+def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
+  """{computation: {instruction name: Instruction}} (in order), and the entry's name."""
+  computations, entry, current = {}, None, None
+  for line in text.splitlines():
+    header = re.match(r'^(ENTRY )?%?([\w.\-]+) .*\{\s*$', line)
+    if header:
+      current = computations.setdefault(header.group(2), {})
+      if header.group(1):
+        entry = header.group(2)
+      continue
+    if current is not None and (inst := _parse_instruction(line)):
+      current[inst.name] = inst
+  return computations, entry
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """The (dtype, dims) of every array in a shape, tuples flattened in order."""
+  return [(dtype, tuple(int(d) for d in dims.split(',') if d))
+          for dtype, dims in re.findall(r'([a-z]\w*)\[([\d,]*)\]', shape)]
+
+
+def nbytes(shape: str) -> int:
+  return sum(DTYPE_BYTES.get(t, 4) * math.prod(d) for t, d in arrays(shape))
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """The top-level elements of a tuple shape."""
+  inner, parts, depth, start = shape[1:-1], [], 0, 0
+  for i, ch in enumerate(inner):
+    depth += ch in '([{'
+    depth -= ch in ')]}'
+    if ch == ',' and depth == 0:
+      parts.append(inner[start:i])
+      start = i + 1
+  parts.append(inner[start:])
+  return [re.sub(r'/\*.*?\*/', '', p).strip() for p in parts if p.strip()]
+
+
+def call_counts(computations, entry: str) -> dict[str, int]:
+  """How many times each computation runs per execution of the entry: while bodies times
+  their known trip count, everything else once per call site."""
+  counts: dict[str, int] = {}
+
+  def visit(name: str, times: int):
+    counts[name] = counts.get(name, 0) + times
+    for inst in computations.get(name, {}).values():
+      trips = 1
+      if inst.opcode == 'while':
+        n = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+        trips = int(n.group(1)) if n else 1
+      for key, callee in re.findall(
+          r'(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)',
+          inst.attrs):
+        if key != 'to_apply':  # reductions' little adders hold no collectives
+          visit(callee, times * (trips if key in ('body', 'condition') else 1))
+      branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
+      for callee in re.findall(r'%?([\w.\-]+)', branches.group(1)) if branches else ():
+        visit(callee, times)
+
+  visit(entry, 1)
+  return counts
+
+
+def _braced(attrs: str, key: str) -> list[list[int]] | None:
+  """The integer lists of `key={{0,1},{2,3}}`, or None when `attrs` has no such field."""
+  at = attrs.find(key + '{')
+  if at < 0:
+    return None
+  start = at + len(key)
+  text = attrs[start:_balanced(attrs, start)]
+  return [[int(x) for x in g.split(',') if x] for g in re.findall(r'\{([\d,]*)\}', text)]
+
+
+def _iota(text: str) -> np.ndarray:
+  """Device ids written as `[4,2]T(1,0)` (an iota of that shape, transposed) or `0,2,4`,
+  flattened."""
+  m = re.fullmatch(r'\[([\d,]+)\](?:T\(([\d,]+)\))?', text.strip())
+  if not m:
+    return np.array([int(x) for x in text.split(',')])
+  dims = [int(x) for x in m.group(1).split(',')]
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return (ids.transpose([int(x) for x in m.group(2).split(',')]) if m.group(2) else ids).ravel()
+
+
+def device_groups(attrs: str) -> list[list[int]] | None:
+  """The device (partition) groups of a collective's `replica_groups` or permute pairs."""
+  pairs = _braced(attrs, 'source_target_pairs=')
+  if pairs is not None:
+    return pairs
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?\)?)\))? \{([^}]*)\}", attrs)
+  if m:  # mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_1'}: grouped along named axes
+    axes = re.findall(r"'?(\w+)'?=(\d+)", m.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    chosen = [names.index(a) for a in re.findall(r"'?(\w+)'?", m.group(3))]
+    ids = _iota(m.group(2)) if m.group(2) else np.arange(math.prod(sizes))
+    ids = ids.reshape(sizes).transpose([i for i in range(len(sizes)) if i not in chosen] + chosen)
+    return ids.reshape(-1, math.prod(sizes[i] for i in chosen)).tolist()
+  m = re.search(r'replica_groups=\[([\d,]+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)', attrs)
+  if m:  # iota form: [groups, size] <= [dims] with an optional transpose
+    return _iota(m.group(2)).reshape(int(m.group(1).split(',')[0]), -1).tolist()
+  groups = _braced(attrs, 'replica_groups=')
+  return groups or None  # {} means every device in one group
+
+
+def group_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int],
+               permute: bool = False) -> tuple[tuple[str, ...], int]:
+  """The mesh axes a collective's groups span, and its group size. Partition p is the mesh's
+  p-th device in row-major order over `mesh_shape`."""
+  names, sizes = list(mesh_shape), list(mesh_shape.values())
+  if groups is None:
+    return tuple(n for n, s in zip(names, sizes) if s > 1), math.prod(sizes)
+  spanned = set()
+  for group in groups:
+    coords = np.array(np.unravel_index(group, sizes)).T  # [members, axes]
+    spanned |= {names[a] for a in range(len(names)) if len(set(coords[:, a])) > 1}
+  size = 2 if permute else max(len(g) for g in groups)
+  return tuple(n for n in names if n in spanned), size
+
+
+def _sliced_to(computations, comp: str, name: str, elements: int, parts: int,
+               depth: int = 0) -> bool:
+  """Whether every use of `name` in `comp` (looking through bitcasts, copies and fusions) only
+  slices out 1/`parts` of its `elements` elements."""
+  users = [u for u in computations[comp].values() if name in u.operands]
+  if not users or depth > 8:
+    return False
+  for user in users:
+    if user.opcode in ('dynamic-slice', 'slice'):
+      if user.operands[0] != name or math.prod(arrays(user.shape)[0][1]) * parts != elements:
+        return False
+    elif user.opcode in PASS_THROUGH:
+      if not _sliced_to(computations, comp, user.name, elements, parts, depth + 1):
+        return False
+    elif user.opcode == 'fusion':
+      fused = re.search(r'calls=%?([\w.\-]+)', user.attrs).group(1)
+      params = {int(i.args): i.name for i in computations[fused].values()
+                if i.opcode == 'parameter'}
+      if not all(_sliced_to(computations, fused, params[k], elements, parts, depth + 1)
+                 for k, operand in enumerate(user.operands) if operand == name):
+        return False
+    else:
+      return False
+  return True
+
+
+def _only_added(computations, comp: str, user: Instruction, values: set[str]) -> bool:
+  """Whether `user` (an add, or a fusion) uses `values` only by adding them up."""
+  if user.opcode == 'add':
+    return True
+  if user.opcode != 'fusion':
+    return False
+  fused = re.search(r'calls=%?([\w.\-]+)', user.attrs).group(1)
+  params = {int(i.args): i.name for i in computations[fused].values() if i.opcode == 'parameter'}
+  inside = {params[k] for k, operand in enumerate(user.operands) if operand in values}
+  return all(u.opcode == 'add' for u in computations[fused].values()
+             if inside & set(u.operands))
+
+
+def _all_reduce(computations, comp: str, inst: Instruction, axes, n: int, times: int
+                ) -> list[Collective]:
+  """An all-reduce's records as an accelerator runs it: elements only ever sliced to 1/n are a
+  reduce-scatter; elements that are only summed with each other are reduced once, summed."""
+  insts = computations[comp]
+  elements = _tuple_elements(inst.shape) if inst.shape.startswith('(') else [inst.shape]
+  values = []  # per element: the names that carry it
+  for index in range(len(elements)):
+    values.append([inst.name] if len(elements) == 1 else [
+        u.name for u in insts.values() if u.opcode == 'get-tuple-element'
+        and u.operands == [inst.name] and re.search(rf'index={index}\b', u.attrs)])
+  users = [[u for u in insts.values() if set(v) & set(u.operands)] for v in values]
+  sums: dict[str, list[int]] = {}  # consumer that only adds elements up -> their indices
+  for index, element_users in enumerate(users):
+    if len(element_users) == 1 and len(values[index]) == 1:
+      sums.setdefault(element_users[0].name, []).append(index)
+  summed = set()
+  for consumer, indices in sums.items():
+    names = {values[i][0] for i in indices}
+    if len(indices) > 1 and _only_added(computations, comp, insts[consumer], names):
+      summed |= set(indices[1:])  # the first one stands for the sum
+  whole = scattered = 0
+  for index, element in enumerate(elements):
+    size = math.prod(arrays(element)[0][1])
+    if index in summed:
+      continue
+    if values[index] and all(_sliced_to(computations, comp, v, size, n) for v in values[index]):
+      scattered += nbytes(element)
+    else:
+      whole += nbytes(element)
+  found = []
+  if whole:
+    found.append(Collective('all-reduce', axes, n, times, 2 * (n - 1) / n * whole,
+                            summed=len(summed)))
+  if scattered:
+    found.append(Collective('reduce-scatter', axes, n, times, (n - 1) / n * scattered,
+                            from_all_reduce=True))
+  return found
+
+
+def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+  """Every collective of a compiled program (`compiled.as_text()`) on a mesh of `mesh_shape`
+  (axis name → size, in the mesh's order), with its executions per step."""
+  computations, entry = parse_module(hlo_text)
+  counts = call_counts(computations, entry)
+  found = []
+  for comp, insts in computations.items():
+    times = counts.get(comp, 0)
+    for inst in insts.values() if times else ():
+      kind = inst.opcode.removesuffix('-start')
+      if kind not in KINDS:
+        continue
+      axes, n = group_axes(device_groups(inst.attrs), mesh_shape,
+                           permute=kind == 'collective-permute')
+      if n <= 1 or not axes:
+        continue
+      shape = inst.shape
+      if inst.opcode.endswith('-start') and kind in ('all-gather', 'collective-permute'):
+        shape = _tuple_elements(shape)[1]  # (operand, result, ...): what arrives
+      if kind == 'all-reduce':
+        found += _all_reduce(computations, comp, inst, axes, n, times)
+        continue
+      per_call = {'all-gather': (n - 1) / n, 'all-to-all': (n - 1) / n,
+                  'reduce-scatter': n - 1, 'collective-permute': 1}[kind] * nbytes(shape)
+      found.append(Collective(kind, axes, n, times, per_call))
+  return found
+
+
+def dot_flops(hlo_text: str) -> float:
+  """FLOPs of the program's matrix multiplies per execution (2 per multiply-add), loops
+  multiplied through: what the device computes, recomputation and attention included."""
+  computations, entry = parse_module(hlo_text)
+  counts = call_counts(computations, entry)
+  total = 0.0
+  for comp, insts in computations.items():
+    for inst in insts.values() if counts.get(comp) else ():
+      if inst.opcode != 'dot':
+        continue
+      lhs = insts.get(inst.operands[0])
+      contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', inst.attrs)
+      if lhs is None or contracting is None:
+        continue
+      dims = arrays(lhs.shape)[0][1]
+      k = math.prod(dims[int(d)] for d in contracting.group(1).split(',') if d)
+      total += counts[comp] * 2 * math.prod(arrays(inst.shape)[0][1]) * k
+  return total

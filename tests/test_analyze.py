@@ -1,0 +1,149 @@
+"""`jaxllm.analyze` and `jaxllm.tune`: compiled collectives against the analytic formulas,
+memory against the shardings, the big-config path, the ranking, and bad input."""
+
+import json
+import math
+
+import pytest
+
+from conftest import run_cli, small_config
+from jaxllm import hlo
+from jaxllm.analyze import analyze, compile_step, expected_bytes
+from jaxllm.hardware import PROFILES, axis_crosses_nodes
+from jaxllm.tune import factorisations, measure, rank
+
+H100 = PROFILES['h100-nvlink']
+
+
+def comm_config(**mesh):
+  """`small_config` with 8 kv heads, so that tensor=8 splits them too."""
+  cfg = small_config(**mesh)
+  cfg.model.update(num_heads=8, num_kv_heads=8)
+  cfg.train.global_batch = 16
+  return cfg
+
+
+# Which meshes' figures are exact: data (the gradient all-reduce is the only traffic) and
+# pipe (stage shifts, bubbles included, plus the batch into and out of the pipeline). fsdp is
+# a little under 3(N−1)/N·P because XLA keeps the gathered output head from forward for
+# backward; tensor a little over 4 all-reduces per layer, for the output head's backward and
+# the vocabulary-split loss.
+@pytest.mark.parametrize('mesh, low, high', [
+    (dict(data=8), 0.999, 1.001),
+    (dict(pipe=2, data=4), 0.999, 1.001),
+    (dict(fsdp=8), 0.9, 1.0),
+    (dict(tensor=8), 1.0, 1.1),
+])
+def test_compiled_collective_bytes_match_the_formulas(mesh, low, high):
+  cfg = comm_config(**mesh)
+  report = analyze(cfg, H100)
+  axis = next(a for a in mesh if mesh[a] > 1 and a != 'data') if len(mesh) > 1 else list(mesh)[0]
+  row = next(r for r in report['per_axis'] if r['axes'] == [axis])
+  assert low <= row['ratio'] <= high, row
+
+
+def test_data_parallel_traffic_is_the_gradient_all_reduce():
+  """An independent check of the data formula: 2(N−1)/N × every parameter's fp32 bytes."""
+  cfg = comm_config(data=8)
+  compiled = compile_step(cfg)
+  params = sum(int(v) for v in [cfg.model.vocab_size * cfg.model.embed_dim * 2])  # embed + head
+  m = cfg.model
+  per_layer = (m.embed_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+               + m.num_heads * m.head_dim * m.embed_dim + 3 * m.embed_dim * m.mlp_dim
+               + 2 * m.embed_dim)
+  params += m.num_layers * per_layer + m.embed_dim
+  assert expected_bytes(compiled)[('data',)] == pytest.approx(2 * 7 / 8 * 4 * params)
+  found = hlo.collectives(compiled.executable.as_text(), compiled.mesh_shape)
+  assert {c.axes for c in found} == {('data',)}
+  assert sum(c.bytes for c in found) == pytest.approx(2 * 7 / 8 * 4 * params, rel=1e-3)
+
+
+def test_fsdp_holds_an_eighth_of_params_and_optimizer_state():
+  cfg = comm_config(fsdp=8)
+  report = analyze(cfg, H100)
+  total = report['params']['total'] * 4  # fp32
+  state = report['memory']['params'] + report['memory']['optimizer']
+  # AdamW keeps two moments per parameter: params + optimizer ≈ 3 × total / 8.
+  assert state == pytest.approx(3 * total / 8, rel=0.05)
+
+
+def test_collective_groups_are_read_in_every_form():
+  mesh = dict(data=2, fsdp=2, pipe=1, tensor=2)
+  assert hlo.device_groups('replica_groups={{0,1},{2,3},{4,5},{6,7}}, x') == [
+      [0, 1], [2, 3], [4, 5], [6, 7]]
+  assert hlo.group_axes(hlo.device_groups('replica_groups=[4,2]<=[8], x'), mesh)[0] == ('tensor',)
+  assert hlo.group_axes(hlo.device_groups('replica_groups=[2,4]<=[2,4], x'), mesh)[0] == (
+      'fsdp', 'tensor')
+  assert hlo.group_axes(hlo.device_groups('replica_groups=[4,2]<=[2,4]T(1,0), x'), mesh)[0] == (
+      'data',)
+  groups = hlo.device_groups(
+      "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}, x")
+  assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  assert hlo.group_axes(hlo.device_groups('source_target_pairs={{0,4},{4,0}}, x'), mesh,
+                        permute=True) == (('data',), 2)
+
+
+def test_axes_cross_nodes_by_their_stride():
+  shape = dict(data=2, fsdp=8, pipe=1, tensor=4)  # 64 devices, nodes of 8
+  assert not axis_crosses_nodes(shape, ('tensor',), 8)
+  assert axis_crosses_nodes(shape, ('fsdp',), 8)
+  assert axis_crosses_nodes(shape, ('data',), 8)
+  assert not axis_crosses_nodes(dict(data=8, fsdp=1, pipe=1, tensor=1), ('data',), 8)
+
+
+def test_factorisations_are_all_ordered_products():
+  found = factorisations(8, 4)
+  assert len(found) == len(set(found)) == 20  # C(3+3, 3): three factors of 2 in four places
+  assert all(math.prod(f) == 8 for f in found)
+
+
+def test_analyze_prints_a_verdict_for_llama3_8b_on_64_devices():
+  result = run_cli('--config', 'configs/llama3_8b.py', '--devices', '64',
+                   '--config.mesh.data=2', '--config.mesh.fsdp=8', '--config.mesh.tensor=4',
+                   '--config.train.global_batch=16', module='jaxllm.analyze', timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'fits h100-nvlink' in result.stdout or 'does NOT fit h100-nvlink' in result.stdout
+  assert 'data=2 fsdp=8 pipe=1 tensor=4  (64 devices)' in result.stdout
+  assert '8,030.26M total' in result.stdout
+
+
+def test_analyze_json_is_machine_readable():
+  result = run_cli('--config', 'configs/tiny.py', '--json', module='jaxllm.analyze')
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads(result.stdout)
+  assert report['mesh'] == dict(data=2, fsdp=2, pipe=1, tensor=2)
+  assert report['prediction']['step_s'] > 0
+  assert {r['kind'] for r in report['collectives']} >= {'all-gather', 'all-reduce'}
+
+
+def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
+  rows, skipped = rank(tiny_config, H100, ['none'], [1])
+  steps = [r['step_s'] for r in rows]
+  assert steps == sorted(steps) and len(rows) >= 10
+  assert skipped['invalid'] > 0  # tensor=4 and 8 cannot split 2 kv heads
+  assert all(r['mesh']['tensor'] <= 2 for r in rows)
+  for row in rows[:2]:
+    assert measure(row['config'], steps=1) > 0
+
+
+@pytest.mark.parametrize('args, field', [
+    (['--devices', '3'], 'mesh'),
+    (['--hardware', 'h1000'], '--hardware'),
+    (['--device_memory', '0.001'], 'does NOT fit'),
+])
+def test_analyze_bad_input_gets_one_line(args, field):
+  result = run_cli('--config', 'configs/tiny.py', *args, module='jaxllm.analyze')
+  if field == 'does NOT fit':  # a verdict, not an error
+    assert result.returncode == 0 and field in result.stdout
+    return
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and field in lines[0], result.stderr
+
+
+def test_tune_says_when_nothing_fits():
+  result = run_cli('--config', 'configs/tiny.py', '--device_memory', '0.001', '--remat', 'none',
+                   '--micro_batches', '1', module='jaxllm.tune')
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and 'no mesh of 8 devices fits' in lines[0], result.stderr
