@@ -31,7 +31,7 @@ DEVICES = flags.DEFINE_integer('devices', 0, 'Analyse for this many devices, sim
                                 'CPU (default: the devices present, or config.cpu_devices).')
 HARDWARE = flags.DEFINE_string('hardware', 'h100-nvlink',
                                 f'Hardware profile: {", ".join(PROFILES)}.')
-DEVICE_MEMORY = flags.DEFINE_float('device_memory', 0.0,
+DEVICE_MEMORY = flags.DEFINE_float('device-memory', 0.0,
                                     'Memory of one device in GB (default: the profile\'s).')
 _JSON = flags.DEFINE_bool('json', False, 'Print the report as JSON.')
 

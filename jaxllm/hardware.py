@@ -46,7 +46,7 @@ def hardware_profile(name: str, device_memory_gb: float = 0.0) -> Hardware:
     raise ConfigError(f'--hardware={name!r} is unknown; use one of {", ".join(PROFILES)}.')
   profile = PROFILES[name]
   if device_memory_gb < 0:
-    raise ConfigError(f'--device_memory={device_memory_gb} must be positive (GB).')
+    raise ConfigError(f'--device-memory={device_memory_gb} must be positive (GB).')
   if device_memory_gb:
     profile = dataclasses.replace(profile, memory=device_memory_gb * 1e9)
   return profile

@@ -24,9 +24,9 @@ from jaxllm.pipeline import pipeline_spec
 from jaxllm.step import state_shapes
 
 _MEASURE = flags.DEFINE_integer('measure', 0, 'Run the best K candidates for a few steps.')
-_MEASURE_STEPS = flags.DEFINE_integer('measure_steps', 3, 'Timed steps per measured candidate.')
+_MEASURE_STEPS = flags.DEFINE_integer('measure-steps', 3, 'Timed steps per measured candidate.')
 _REMAT = flags.DEFINE_list('remat', ['none', 'full'], 'Remat policies to try.')
-_MICRO_BATCHES = flags.DEFINE_list('micro_batches', ['1', '2'], 'train.micro_batches to try.')
+_MICRO_BATCHES = flags.DEFINE_list('micro-batches', ['1', '2'], 'train.micro_batches to try.')
 
 
 def factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> None:
   try:
     micro_batches = [int(m) for m in _MICRO_BATCHES.value]
   except ValueError:
-    raise ConfigError(f'--micro_batches={",".join(_MICRO_BATCHES.value)} must be integers, '
+    raise ConfigError(f'--micro-batches={",".join(_MICRO_BATCHES.value)} must be integers, '
                       'e.g. 1,2,4.') from None
   for remat in remats:
     if remat not in ('none', 'full', 'dots'):
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> None:
   if not rows:
     raise ConfigError(f'no mesh of {jax.device_count()} devices fits {hardware.name} '
                       f'({", ".join(f"{v} {k}" for k, v in skipped.items() if v)}); use more '
-                      'devices, a larger --device_memory, or a smaller model or batch.')
+                      'devices, a larger --device-memory, or a smaller model or batch.')
   print(format_table(rows, skipped, hardware))
   if _MEASURE.value:
     print(f'measured on {jax.device_count()} × {jax.devices()[0].device_kind}, '

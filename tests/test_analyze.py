@@ -129,7 +129,7 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
 @pytest.mark.parametrize('args, field', [
     (['--devices', '3'], 'mesh'),
     (['--hardware', 'h1000'], '--hardware'),
-    (['--device_memory', '0.001'], 'does NOT fit'),
+    (['--device-memory', '0.001'], 'does NOT fit'),
 ])
 def test_analyze_bad_input_gets_one_line(args, field):
   result = run_cli('--config', 'configs/tiny.py', *args, module='jaxllm.analyze')
@@ -142,8 +142,8 @@ def test_analyze_bad_input_gets_one_line(args, field):
 
 
 def test_tune_says_when_nothing_fits():
-  result = run_cli('--config', 'configs/tiny.py', '--device_memory', '0.001', '--remat', 'none',
-                   '--micro_batches', '1', module='jaxllm.tune')
+  result = run_cli('--config', 'configs/tiny.py', '--device-memory', '0.001', '--remat', 'none',
+                   '--micro-batches', '1', module='jaxllm.tune')
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and 'no mesh of 8 devices fits' in lines[0], result.stderr
