@@ -139,8 +139,9 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   return expected
 
 
-def collective_table(c: Compiled, hardware: Hardware) -> list[dict]:
-  """The compiled collectives grouped by (mesh axes, kind): count, bytes, analytic, time."""
+def collective_table(c: Compiled, hardware: Hardware) -> tuple[list[dict], list[dict]]:
+  """The compiled collectives grouped by (mesh axes, kind) with count, bytes and time; and
+  their bytes per mesh-axes group beside the analytic figure."""
   groups = collections.defaultdict(lambda: {'count': 0, 'bytes': 0.0, 'rewritten': 0})
   for x in hlo.collectives(c.executable.as_text(), c.mesh_shape):
     g = groups[(x.axes, x.kind)]

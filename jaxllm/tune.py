@@ -16,7 +16,7 @@ from absl import flags
 from ml_collections import ConfigDict
 
 from jaxllm import analyze
-from jaxllm.config import MESH_AXES, ConfigError, main_guard, parse_command_line, validate
+from jaxllm.config import MESH_AXES, ConfigError, main_guard, validate
 from jaxllm.hardware import Hardware, hardware_profile
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.optim import make_optimizer

@@ -46,8 +46,8 @@ def test_data_parallel_traffic_is_the_gradient_all_reduce():
   """An independent check of the data formula: 2(N−1)/N × every parameter's fp32 bytes."""
   cfg = comm_config(data=8)
   compiled = compile_step(cfg)
-  params = sum(int(v) for v in [cfg.model.vocab_size * cfg.model.embed_dim * 2])  # embed + head
   m = cfg.model
+  params = 2 * m.vocab_size * m.embed_dim  # input embedding and (untied) output head
   per_layer = (m.embed_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
                + m.num_heads * m.head_dim * m.embed_dim + 3 * m.embed_dim * m.mlp_dim
                + 2 * m.embed_dim)
