@@ -24,7 +24,8 @@ KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective
 DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
                'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8}
 # Ops that pass a value on whole (same elements), looked through when following a result.
-PASS_THROUGH = ('bitcast', 'copy', 'reshape', 'transpose')
+# `convert` too: the CPU compiler computes bf16 arithmetic in f32 and converts around it.
+PASS_THROUGH = ('bitcast', 'copy', 'reshape', 'transpose', 'convert')
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class Instruction:
   operands: list[str]
   args: str        # the text inside the parentheses (a parameter's number)
   attrs: str
+  is_root: bool = False
 
 
 @dataclasses.dataclass
@@ -66,7 +68,7 @@ def _balanced(text: str, start: int) -> int:
 
 
 def _parse_instruction(line: str) -> Instruction | None:
-  m = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = ', line)
+  m = re.match(r'\s*(ROOT )?%?([\w.\-]+) = ', line)
   if not m:
     return None
   rest = line[m.end():]
@@ -77,8 +79,8 @@ def _parse_instruction(line: str) -> Instruction | None:
     return None
   close = _balanced(rest, op.end() - 1)
   args = rest[op.end():close - 1]
-  return Instruction(m.group(1), shape, op.group(1), re.findall(r'%([\w.\-]+)', args), args,
-                     rest[close:])
+  return Instruction(m.group(2), shape, op.group(1), re.findall(r'%([\w.\-]+)', args), args,
+                     rest[close:], is_root=bool(m.group(1)))
 
 
 def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
@@ -201,24 +203,28 @@ def group_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int],
 
 
 def _sliced_to(computations, comp: str, name: str, elements: int, parts: int,
-               depth: int = 0) -> bool:
-  """Whether every use of `name` in `comp` (looking through bitcasts, copies and fusions) only
-  slices out 1/`parts` of its `elements` elements."""
+               depth: int = 0, outside: tuple[str, str] | None = None) -> bool:
+  """Whether every use of `name` in `comp` (looking through bitcasts, converts and fusions)
+  only slices out 1/`parts` of its `elements` elements. `outside` is the (computation,
+  fusion) a fused computation was entered from: a value that reaches its root goes on there."""
   users = [u for u in computations[comp].values() if name in u.operands]
-  if not users or depth > 8:
+  if outside and not users and computations[comp][name].is_root:
+    return _sliced_to(computations, *outside, elements, parts, depth + 1)
+  if not users or depth > 12:
     return False
   for user in users:
     if user.opcode in ('dynamic-slice', 'slice'):
       if user.operands[0] != name or math.prod(arrays(user.shape)[0][1]) * parts != elements:
         return False
     elif user.opcode in PASS_THROUGH:
-      if not _sliced_to(computations, comp, user.name, elements, parts, depth + 1):
+      if not _sliced_to(computations, comp, user.name, elements, parts, depth + 1, outside):
         return False
     elif user.opcode == 'fusion':
       fused = re.search(r'calls=%?([\w.\-]+)', user.attrs).group(1)
       params = {int(i.args): i.name for i in computations[fused].values()
                 if i.opcode == 'parameter'}
-      if not all(_sliced_to(computations, fused, params[k], elements, parts, depth + 1)
+      if not all(_sliced_to(computations, fused, params[k], elements, parts, depth + 1,
+                            (comp, user.name))
                  for k, operand in enumerate(user.operands) if operand == name):
         return False
     else:
@@ -235,8 +241,14 @@ def _only_added(computations, comp: str, user: Instruction, values: set[str]) ->
   fused = re.search(r'calls=%?([\w.\-]+)', user.attrs).group(1)
   params = {int(i.args): i.name for i in computations[fused].values() if i.opcode == 'parameter'}
   inside = {params[k] for k, operand in enumerate(user.operands) if operand in values}
-  return all(u.opcode == 'add' for u in computations[fused].values()
-             if inside & set(u.operands))
+  while True:  # follow the values through ops that only pass them on
+    passed = {u.name for u in computations[fused].values()
+              if u.opcode in PASS_THROUGH and inside & set(u.operands)} - inside
+    if not passed:
+      break
+    inside |= passed
+  return all(u.opcode == 'add' or (u.opcode in PASS_THROUGH and u.name in inside)
+             for u in computations[fused].values() if inside & set(u.operands))
 
 
 def _all_reduce(computations, comp: str, inst: Instruction, axes, n: int, times: int
