@@ -128,23 +128,42 @@ class Checkpoints:
     self.manager.close()
 
 
-def restore_params(path: str, target_params, model_cfg: ConfigDict):
-  """Parameters only, from a checkpoint directory (its newest step) or one step directory in
-  it, laid out as `target_params` says: the start of a fine-tuning run."""
+def _open_checkpoint(path: str, field: str) -> tuple[ocp.CheckpointManager, str, int]:
+  """A read-only manager of a checkpoint directory, its directory and the step meant: the
+  newest, or the one `path` names when it is a step directory. `field` names the setting the
+  path came from, for errors."""
   path = os.path.abspath(path)
   if not os.path.isdir(path):
-    raise ConfigError(f'init_from={path!r} is not a directory; give a checkpoint directory '
+    raise ConfigError(f'{field}={path!r} is not a directory; give a checkpoint directory '
                       'or one of its step directories.')
   if os.path.isdir(os.path.join(path, 'state')):  # a step directory
-    directory, step = os.path.dirname(path), os.path.basename(path)
+    directory, step = os.path.dirname(path), int(os.path.basename(path))
   else:
     directory, step = path, None
   manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+  step = step if step is not None else manager.latest_step()
+  if step is None:
+    manager.close()
+    raise ConfigError(f'{field}={path!r} holds no checkpoints; give a directory that '
+                      'train wrote checkpoints into.')
+  return manager, directory, step
+
+
+def saved_config(path: str, field: str = 'init_from') -> dict:
+  """The run config (a dict) that a checkpoint directory's newest step, or one step
+  directory, was saved with."""
+  manager, _, step = _open_checkpoint(path, field)
   try:
-    step = int(step) if step is not None else manager.latest_step()
-    if step is None:
-      raise ConfigError(f'init_from={path!r} holds no checkpoints; give a directory that '
-                        'train wrote checkpoints into.')
+    return _saved_config(manager, step)
+  finally:
+    manager.close()
+
+
+def restore_params(path: str, target_params, model_cfg: ConfigDict, field: str = 'init_from'):
+  """Parameters only, from a checkpoint directory (its newest step) or one step directory in
+  it, laid out as `target_params` says: the start of a fine-tuning run."""
+  manager, directory, step = _open_checkpoint(path, field)
+  try:
     _check_model_shape(_saved_config(manager, step), model_cfg,
                        os.path.join(directory, str(step)))
     restored = manager.restore(step, args=ocp.args.Composite(

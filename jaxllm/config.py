@@ -157,8 +157,9 @@ def default_config() -> ConfigDict:
       keep=3,              # newest checkpoints kept
       async_save=True,     # write in the background while training goes on
   ))
-  # Start from the parameters of this checkpoint (a checkpoint dir or one step in it) and
-  # fresh optimizer state: fine-tuning. Ignored when the run has checkpoints of its own.
+  # Start from the parameters of this checkpoint (a checkpoint dir or one step in it, or
+  # 'hf:DIR', a Hugging Face Llama checkpoint) and fresh optimizer state: fine-tuning.
+  # Ignored when the run has checkpoints of its own.
   c.init_from = ''
 
   # A jax.profiler trace of steps start_step … start_step+steps-1 into <workdir>/profile.

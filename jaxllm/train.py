@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxllm import metrics
+from jaxllm import hf, metrics
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.config import TrainingError, main_guard, parse_command_line, resolve_mesh, validate
 from jaxllm.data import make_batches, make_eval_batches
@@ -94,8 +94,11 @@ def _initial_state(cfg: ConfigDict, mesh, tx, pipeline: PipelineSpec | None, abs
         return restored, (f'resumed from the checkpoint of step {int(restored.step)} in '
                           f'{checkpoints.directory}')
     if cfg.init_from:
-      params = restore_params(cfg.init_from, restore_target(abstract.params, shardings.params),
-                              cfg.model)
+      target = restore_target(abstract.params, shardings.params)
+      if cfg.init_from.startswith('hf:'):  # a Hugging Face Llama checkpoint directory
+        params = hf.load_params(cfg.init_from[len('hf:'):], target, cfg.model)
+      else:
+        params = restore_params(cfg.init_from, target, cfg.model)
 
       def fresh_optimizer(params):
         params = to_stage_order(params, *stages)

@@ -1,0 +1,203 @@
+"""Hugging Face Llama import and export, against transformers' LlamaForCausalLM."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import small_config
+from jaxllm import hf
+from jaxllm.config import ConfigError, default_config
+from jaxllm.data.loader import synthetic_batch
+from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.model import Transformer
+from jaxllm.train import setup, train
+
+RULES = default_config().sharding.rules
+LLAMA3_ROPE = dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+
+
+def save_hf_model(directory, kv_heads=2, tied=False, rope_scaling=None, rope_theta=10_000.0,
+                  dtype=torch.float32, max_shard_size=None):
+  """A tiny random LlamaForCausalLM saved as safetensors. Its weights are larger than the
+  usual init and its norm scales are not ones, so a misplaced tensor or a wrong rotary
+  convention moves the logits well beyond the tolerance."""
+  torch.manual_seed(0)
+  config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
+                       rope_theta=rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tied)
+  model = LlamaForCausalLM(config)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith('norm.weight')
+              else 0.15 * torch.randn_like(p))
+  model = model.to(dtype).eval()
+  extra = {'max_shard_size': max_shard_size} if max_shard_size else {}
+  model.save_pretrained(directory, safe_serialization=True, **extra)
+  return model
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens))).logits.float().numpy()
+
+
+def our_logits(model_cfg, params, mesh, tokens) -> np.ndarray:
+  with sharding_context(mesh, RULES):
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
+
+
+def mesh_of(**axes):
+  shape = {**dict(data=1, fsdp=1, pipe=1, tensor=1), **axes}
+  return make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
+
+
+def hf_tensors(directory) -> dict[str, torch.Tensor]:
+  tensors = {}
+  for file in os.listdir(directory):
+    if file.endswith('.safetensors'):
+      tensors.update(load_file(os.path.join(directory, file)))
+  return tensors
+
+
+CASES = {
+    'gqa': dict(hf=dict(kv_heads=2), mesh=dict()),
+    'mha_tied': dict(hf=dict(kv_heads=4, tied=True), mesh=dict()),
+    'llama3_rope': dict(hf=dict(kv_heads=2, rope_theta=500_000.0, rope_scaling=LLAMA3_ROPE),
+                        mesh=dict()),
+    'sharded_files_on_mesh': dict(hf=dict(kv_heads=2, max_shard_size='40KB'),
+                                  mesh=dict(data=2, fsdp=2, tensor=2)),
+}
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_imported_logits_match_transformers(case, tmp_path):
+  reference = save_hf_model(tmp_path, **CASES[case]['hf'])
+  mesh = mesh_of(**CASES[case]['mesh'])
+  model_cfg, params = hf.load(str(tmp_path), mesh, RULES)
+  assert set(model_cfg.keys()) == set(default_config().model.keys())
+  if case == 'llama3_rope':
+    assert (model_cfg.rope_theta, model_cfg.rope_scaling.factor) == (500_000.0, 8.0)
+  if case == 'sharded_files_on_mesh':
+    assert os.path.exists(tmp_path / 'model.safetensors.index.json')
+    # Each device holds only its block: vocab over tensor, embed over fsdp.
+    assert params['embed_VD'].sharding.spec == P('tensor', 'fsdp')
+    assert params['embed_VD'].addressable_shards[0].data.shape == (50, 32)
+  tokens = np.random.default_rng(0).integers(0, 100, (2, 16))
+  np.testing.assert_allclose(our_logits(model_cfg, params, mesh, tokens),
+                             hf_logits(reference, tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_export_reproduces_the_hf_checkpoint_and_round_trips(dtype, tmp_path):
+  original, exported = tmp_path / 'original', tmp_path / 'exported'
+  save_hf_model(original, tied=True, rope_theta=500_000.0, rope_scaling=LLAMA3_ROPE, dtype=dtype)
+  mesh = mesh_of(fsdp=4, tensor=2)
+  model_cfg, params = hf.load(str(original), mesh, RULES)
+  hf.export(params, model_cfg, str(exported), max_shard_bytes=40_000)
+
+  assert os.path.exists(exported / 'model.safetensors.index.json')
+  config = json.loads((exported / 'config.json').read_text())
+  assert config['torch_dtype'] == str(dtype).removeprefix('torch.')
+  assert config['rope_scaling']['rope_type'] == 'llama3' and config['tie_word_embeddings']
+  got, want = hf_tensors(exported), hf_tensors(original)
+  assert got.keys() == want.keys()
+  for name in want:
+    assert torch.equal(got[name], want[name]), name
+
+  again_cfg, again = hf.load(str(exported), mesh, RULES)
+  assert again_cfg.to_dict() == model_cfg.to_dict()
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # transformers reads our config.json (old-style rope_scaling, torch_dtype) as meaning what
+  # its own config.json means.
+  tokens = np.random.default_rng(1).integers(0, 100, (2, 16))
+  reread = lambda d: hf_logits(LlamaForCausalLM.from_pretrained(d, dtype=dtype).eval(), tokens)
+  np.testing.assert_array_equal(reread(exported), reread(original))
+
+  with pytest.raises(ConfigError, match='already holds .*safetensors'):
+    hf.export(params, model_cfg, str(exported))
+
+
+def test_init_from_hf_trains_from_its_weights_and_exports_the_result(tmp_path):
+  hf_dir, run_dir, out_dir = tmp_path / 'hf', tmp_path / 'run', tmp_path / 'out'
+  reference = save_hf_model(hf_dir)
+  cfg = small_config(fsdp=2, tensor=2)
+  cfg.model = hf.model_config(str(hf_dir))
+  cfg.init_from = f'hf:{hf_dir}'
+  cfg.train.steps = 2
+  cfg.data.seq_len = 16
+  state, history = train(cfg, str(run_dir), devices=jax.devices()[:4])
+
+  # Step 1's loss is computed before any update: it must be HF's loss on that batch.
+  batch = synthetic_batch(cfg, cfg.train.global_batch)
+  logits = torch.tensor(hf_logits(reference, batch['inputs']))
+  hf_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                              torch.tensor(batch['targets']).reshape(-1).long())
+  assert history[0]['loss'] == pytest.approx(float(hf_loss), rel=1e-5)
+  assert history[1]['loss'] < history[0]['loss']
+
+  # The checkpoint of step 2, exported by the command line, holds the trained parameters.
+  hf.main(['jaxllm.hf', 'export', '--checkpoint', str(run_dir / 'checkpoints'),
+           '--out', str(out_dir)])
+  _, exported = hf.load(str(out_dir), mesh_of(), RULES)
+  for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_from_hf_of_another_shape_names_the_field(tmp_path):
+  save_hf_model(tmp_path)
+  cfg = small_config()
+  cfg.model = hf.model_config(str(tmp_path))
+  cfg.model.num_layers = 4
+  cfg.init_from = f'hf:{tmp_path}'
+  with pytest.raises(ConfigError, match=r'model\.num_layers=4 but the Hugging Face checkpoint '
+                                        r'.* has num_layers=2; set model\.num_layers=2'):
+    setup(cfg, jax.devices()[:1])
+
+
+def _edit_config(directory, **changes):
+  path = directory / 'config.json'
+  path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _drop_tensor(directory, name):
+  tensors = load_file(directory / 'model.safetensors')
+  del tensors[name]
+  save_file(tensors, directory / 'model.safetensors', metadata={'format': 'pt'})
+
+
+BAD_INPUTS = {
+    'no directory': (lambda d: shutil.rmtree(d), 'is not a directory'),
+    'no config.json': (lambda d: os.remove(d / 'config.json'), r'config\.json does not exist'),
+    'not llama': (lambda d: _edit_config(d, model_type='gpt2', architectures=['GPT2LMHeadModel']),
+                  "model_type='gpt2'.* is not a Llama model"),
+    'no weights': (lambda d: os.remove(d / 'model.safetensors'), r'holds no \*\.safetensors'),
+    'missing tensor': (lambda d: _drop_tensor(d, 'model.layers.1.mlp.up_proj.weight'),
+                       "tensor 'model.layers.1.mlp.up_proj.weight' is missing"),
+    'shape mismatch': (lambda d: _edit_config(d, intermediate_size=256),
+                       r"'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\] but "
+                       r'config\.json implies \[256, 64\]'),
+}
+
+
+@pytest.mark.parametrize('problem', BAD_INPUTS)
+def test_bad_checkpoint_is_a_one_line_config_error(problem, tmp_path):
+  directory = tmp_path / 'hf'
+  save_hf_model(directory)
+  spoil, message = BAD_INPUTS[problem]
+  spoil(directory)
+  with pytest.raises(ConfigError, match=message) as error:
+    hf.load(str(directory), mesh_of(), RULES)
+  assert '\n' not in str(error.value)
