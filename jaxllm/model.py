@@ -8,6 +8,7 @@ K kv heads, H head dim, F mlp hidden, V vocab, L layers.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,53 @@ def apply_rope(x_BTnH, positions_BT, inv_freq):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTnH.dtype)
 
 
+# The KV cache [L, B, S, K, H] is laid out like the keys and values it holds. The layer axis
+# stays whole (decoding runs without a pipeline), and so do the positions: every step writes one.
+KV_CACHE_AXES = (None, 'batch', None, 'act_kv_heads', None)
+
+
+class KVCache(NamedTuple):
+  """Every layer's keys and values for decoding. Slot s of the S axis holds position s; the
+  first `length` slots are filled, and the next tokens are written from there."""
+  k_LBSKH: jax.Array
+  v_LBSKH: jax.Array
+  length: jax.Array  # int32 scalar
+
+  @classmethod
+  def empty(cls, cfg: ConfigDict, batch: int, max_len: int) -> KVCache:
+    """A cache for `batch` rows of up to `max_len` positions (call inside jit, under the rules)."""
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    zeros = lambda: constrain(jnp.zeros(shape, cfg.dtype), *KV_CACHE_AXES)
+    return cls(zeros(), zeros(), jnp.zeros((), jnp.int32))
+
+  def append(self, k_LBTKH, v_LBTKH) -> KVCache:
+    """The cache with T more positions written at `length`."""
+    write = lambda c, new: constrain(
+        jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), self.length, axis=2),
+        *KV_CACHE_AXES)
+    return KVCache(write(self.k_LBSKH, k_LBTKH), write(self.v_LBSKH, v_LBTKH),
+                   self.length + k_LBTKH.shape[2])
+
+
+class LayerCache(NamedTuple):
+  """One layer's slice of a `KVCache`: what its attention reads while decoding."""
+  k_BSKH: jax.Array
+  v_BSKH: jax.Array
+  length: jax.Array
+
+
+def cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: LayerCache):
+  """The new tokens attend to the cache's filled slots and to each other, causally."""
+  k_BSKH = jax.lax.dynamic_update_slice_in_dim(cache.k_BSKH, k_BTKH, cache.length, axis=1)
+  v_BSKH = jax.lax.dynamic_update_slice_in_dim(cache.v_BSKH, v_BTKH, cache.length, axis=1)
+  # Slot s holds position s: a query sees the slots up to its own position, none beyond.
+  slots_S = jnp.arange(k_BSKH.shape[1])
+  mask_B1TS = slots_S[None, None, None, :] <= positions_BT[:, None, :, None]
+  # XLA's attention takes any mask; the fused cuDNN kernel is for causal training shapes.
+  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS,
+                                      implementation='xla')
+
+
 class Attention(nnx.Module):
   """Grouped-query attention through `jax.nn.dot_product_attention`."""
 
@@ -79,7 +127,8 @@ class Attention(nnx.Module):
     self.wo_NHD = _param(rngs, out_init, (N, H, D), ('heads', 'head_dim', 'embed'), pd)
     self.cfg = cfg
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None):
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
+    """The attention output; with a `cache` (decoding), also the new tokens' keys and values."""
     w = lambda p: p[...].astype(self.cfg.dtype)
     q_BTNH = jnp.einsum('btd,dnh->btnh', x_BTD, w(self.wq_DNH))
     k_BTKH = jnp.einsum('btd,dkh->btkh', x_BTD, w(self.wk_DKH))
@@ -90,11 +139,15 @@ class Attention(nnx.Module):
     inv_freq = rope_frequencies(self.cfg)
     q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
     k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
-    o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
-                                          mask=segment_mask(segment_ids_BT),
-                                          implementation=self.cfg.attention)
+    if cache is None:
+      o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                            mask=segment_mask(segment_ids_BT),
+                                            implementation=self.cfg.attention)
+    else:
+      o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache)
     o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
-    return jnp.einsum('btnh,nhd->btd', o_BTNH, w(self.wo_NHD))
+    out_BTD = jnp.einsum('btnh,nhd->btd', o_BTNH, w(self.wo_NHD))
+    return out_BTD if cache is None else (out_BTD, (k_BTKH, v_BTKH))
 
 
 class MLP(nnx.Module):
@@ -128,11 +181,15 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None):
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
+    """The block's output; with a `cache`, also the new tokens' keys and values."""
+    attn = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, cache)
+    attn_BTD, new_kv = attn if cache is not None else (attn, None)
+    x_BTD = x_BTD + attn_BTD
     x_BTD = constrain(x_BTD, 'batch', 'seq', 'act_embed')
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return constrain(x_BTD, 'batch', 'seq', 'act_embed')
+    x_BTD = constrain(x_BTD, 'batch', 'seq', 'act_embed')
+    return x_BTD if cache is None else (x_BTD, new_kv)
 
 
 def sequence_positions(tokens_BT):
@@ -148,8 +205,16 @@ def segment_mask(segment_ids_BT):
   return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
 
 
-def scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, remat: str):
-  """Applies the blocks stacked on the leading axis of `stacked`, in order, with `lax.scan`."""
+def scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, remat: str,
+                cache: KVCache | None = None):
+  """Applies the blocks stacked on the leading axis of `stacked`, in order, with `lax.scan`.
+
+  With a `cache` (decoding) returns the output and the cache holding the new tokens too."""
+  if cache is not None:
+    if segment_ids_BT is not None:
+      raise ValueError('decoding with a KV cache takes one sequence per row: no segment ids.')
+    return _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache)
+
   def body(x_BTD, layer):
     return nnx.merge(graphdef, layer)(x_BTD, positions_BT, segment_ids_BT), None
 
@@ -157,6 +222,20 @@ def scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, remat: s
     body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
   x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
   return x_BTD
+
+
+def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache):
+  """The scan of `scan_blocks` with each layer reading its slice of the cache and returning
+  its new keys and values; they are written into the cache once, after the scan.
+  No remat: decoding takes no gradients."""
+  def body(x_BTD, layer_and_cache):
+    layer, k_BSKH, v_BSKH = layer_and_cache
+    return nnx.merge(graphdef, layer)(x_BTD, positions_BT, None,
+                                      LayerCache(k_BSKH, v_BSKH, cache.length))
+
+  x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(body, x_BTD,
+                                           (stacked, cache.k_LBSKH, cache.v_LBSKH))
+  return x_BTD, cache.append(k_LBTKH, v_LBTKH)
 
 
 class Transformer(nnx.Module):
@@ -189,10 +268,14 @@ class Transformer(nnx.Module):
     x_BTD = table_VD[tokens_BT].astype(self.cfg.dtype)
     return constrain(x_BTD, 'batch', 'seq', 'act_embed')
 
-  def layers(self, x_BTD, positions_BT, segment_ids_BT=None):
-    """Runs the block stack as one `lax.scan`, rematerialised per the config."""
+  def layers(self, x_BTD, positions_BT, segment_ids_BT=None, cache: KVCache | None = None):
+    """Runs the block stack as one `lax.scan`, rematerialised per the config.
+
+    Decoding passes a `cache` (and one sequence per row, no segment ids): the tokens sit at
+    `positions_BT` from `cache.length` on; returns the output and the cache holding them."""
     graphdef, stacked = nnx.split(self.blocks)
-    return scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, self.cfg.remat)
+    return scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, self.cfg.remat,
+                       cache)
 
   def logits(self, x_BTD):
     """Output logits in fp32, whatever the compute dtype."""

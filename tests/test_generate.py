@@ -1,0 +1,266 @@
+"""Generation: the KV cache against the plain forward pass, sampling, EOS, the command line."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from conftest import run_cli, small_config
+from jaxllm.config import ConfigError, default_config
+from jaxllm.generate import Sampling, generate, main, sample_next
+from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.model import KVCache, Transformer, sequence_positions
+
+RULES = default_config().sharding.rules
+ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)
+SHARDED = dict(data=2, fsdp=2, pipe=1, tensor=2)
+NEW_TOKENS = 8
+
+
+def model_cfg():
+  cfg = small_config().model
+  # Large weights spread the logits apart, so no argmax is a near-tie that rounding could flip.
+  cfg.init_std = 0.5
+  return cfg
+
+
+def params_on(mesh, cfg):
+  """The model's parameters, created sharded on `mesh`."""
+  create = lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))
+  with sharding_context(mesh, RULES):
+    shardings = nnx.get_named_sharding(jax.eval_shape(create), mesh)
+    return jax.jit(create, out_shardings=shardings)()
+
+
+def prompts(batch, length=6):
+  return np.random.default_rng(batch).integers(0, 256, (batch, length)).tolist()
+
+
+@pytest.fixture(scope='module')
+def one_device_params():
+  return params_on(make_mesh(ONE_DEVICE, jax.devices()[:1]), model_cfg())
+
+
+def reference_greedy(cfg, params, prompt_BP, steps):
+  """Greedy decoding with no cache: the plain forward pass over the whole sequence at every
+  step. The sequence sits in a fixed buffer, so one compiled program serves every step
+  (causality keeps the unfilled tail out of the logits read). Returns the tokens and the
+  smallest gap between the best and second-best logit."""
+  B, P = np.shape(prompt_BP)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+  seq_BT = np.zeros((B, P + steps), np.int32)
+  seq_BT[:, :P] = prompt_BP
+  margin = np.inf
+  for t in range(P, P + steps):
+    logits_BV = np.asarray(forward(params, seq_BT))[:, t - 1]
+    top2_B2 = np.sort(logits_BV, axis=-1)[:, -2:]
+    margin = min(margin, np.min(top2_B2[:, 1] - top2_B2[:, 0]))
+    seq_BT[:, t] = np.argmax(logits_BV, axis=-1)
+  return seq_BT[:, P:].tolist(), margin
+
+
+def test_greedy_with_the_cache_equals_the_full_forward_argmax(one_device_params):
+  cfg, prompt = model_cfg(), prompts(1)[0]  # one prompt in, one list of ids out
+  got = generate(cfg, one_device_params, prompt, NEW_TOKENS, greedy=True)
+  with sharding_context(make_mesh(ONE_DEVICE, jax.devices()[:1]), RULES):
+    want, margin = reference_greedy(cfg, one_device_params, [prompt], NEW_TOKENS)
+  assert margin > 1e-3  # no near-tie: a mismatch would be the cache's fault
+  assert got == want[0]
+
+
+def test_greedy_on_a_sharded_mesh_equals_the_full_forward_argmax():
+  cfg, prompt = model_cfg(), prompts(4)
+  mesh = make_mesh(SHARDED)
+  params = params_on(mesh, cfg)
+  got = generate(cfg, params, prompt, NEW_TOKENS, greedy=True)  # on the params' mesh
+  with sharding_context(mesh, RULES):
+    want, margin = reference_greedy(cfg, params, prompt, NEW_TOKENS)
+  assert margin > 1e-3
+  assert got == want
+
+
+def test_cache_filled_in_pieces_gives_the_logits_of_the_whole_sequence():
+  """Prefill, one token, then a chunk of several: each attends to the cache and causally
+  within itself. The cache comes out sharded like the keys (batch over data×fsdp, kv heads
+  over tensor)."""
+  cfg = model_cfg()
+  mesh = make_mesh(SHARDED)
+  params = params_on(mesh, cfg)
+  tokens_BT = jnp.asarray(prompts(4, length=12))
+  with sharding_context(mesh, RULES):
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+  def in_pieces(params, tokens_BT):
+    model = nnx.merge(graphdef, params)
+    cache = KVCache.empty(model.cfg, 4, 12)
+    logits = []
+    for start, stop in ((0, 5), (5, 6), (6, 12)):
+      piece_BT = tokens_BT[:, start:stop]
+      x_BTD, cache = model.layers(model.embed(piece_BT),
+                                  cache.length + sequence_positions(piece_BT), cache=cache)
+      logits.append(model.logits(x_BTD))
+    return jnp.concatenate(logits, axis=1), cache
+
+  with sharding_context(mesh, RULES):
+    got, cache = jax.jit(in_pieces)(params, tokens_BT)
+    want = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens_BT)
+  # fp32 sums in another order (over the cache's slots, split over devices): ~1e-5 of logits ~5.
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  assert int(cache.length) == 12
+  assert cache.k_LBSKH.sharding.spec == P(None, ('data', 'fsdp'), None, 'tensor')
+
+
+def test_top_k_1_sampling_equals_greedy(one_device_params):
+  cfg, prompt = model_cfg(), prompts(1)[0]
+  sampled = generate(cfg, one_device_params, prompt, NEW_TOKENS, top_k=1, temperature=0.7,
+                     top_p=0.9, rng=5)
+  assert sampled == generate(cfg, one_device_params, prompt, NEW_TOKENS, greedy=True)
+
+
+def test_eos_stops_each_row_after_it(one_device_params):
+  cfg, params, prompt = model_cfg(), one_device_params, prompts(2)
+  free = generate(cfg, params, prompt, NEW_TOKENS, greedy=True)
+  eos = free[0][2]
+  cut = lambda row: row[:row.index(eos) + 1] if eos in row else row
+  got = generate(cfg, params, prompt, NEW_TOKENS, greedy=True, eos_id=eos)
+  assert got == [cut(row) for row in free]
+  assert len(got[0]) == 3 and got[0][-1] == eos
+
+
+PROBS = np.array([0.05, 0.5, 0.04, 0.3, 0.11])
+
+
+@pytest.mark.parametrize('sampling,support', [
+    (Sampling(top_p=0.75), {1, 3}),            # 0.5 < 0.75 ≤ 0.5 + 0.3
+    (Sampling(top_p=0.85), {1, 3, 4}),         # 0.8 < 0.85 ≤ 0.91
+    (Sampling(top_p=0.3), {1}),                # the likeliest token alone reaches 0.3
+    (Sampling(top_k=2), {1, 3}),
+    (Sampling(top_k=3, top_p=0.75), {1, 3}),
+])
+def test_sampling_stays_in_the_nucleus_and_top_k(sampling, support):
+  logits_BV = jnp.log(jnp.broadcast_to(jnp.asarray(PROBS, jnp.float32), (4000, len(PROBS))))
+  drawn = np.asarray(sample_next(logits_BV, jax.random.key(0), sampling))
+  assert set(drawn.tolist()) == support
+  # Within the support, tokens keep their relative probabilities.
+  share = np.mean(drawn == 1)
+  assert share == pytest.approx(PROBS[1] / PROBS[sorted(support)].sum(), abs=0.03)
+
+
+def test_top_k_1_draws_the_argmax_at_any_temperature():
+  logits_BV = jax.random.normal(jax.random.key(1), (64, 50))
+  drawn = sample_next(logits_BV, jax.random.key(2), Sampling(top_k=1, temperature=3.0))
+  np.testing.assert_array_equal(drawn, jnp.argmax(logits_BV, -1))
+
+
+@pytest.mark.parametrize('kwargs,field', [
+    (dict(top_p=0.0), 'top_p'), (dict(top_p=1.5), 'top_p'), (dict(top_k=0), 'top_k'),
+    (dict(temperature=0.0), 'temperature'), (dict(prompt=[[1, 999]]), 'prompt_ids'),
+    (dict(prompt=[[1, 2], [3]]), 'differ in length'),
+    (dict(max_new_tokens=0), 'max_new_tokens'),
+    (dict(mesh=dict(data=2, fsdp=1, pipe=2, tensor=2)), 'pipe=1'),
+    (dict(prompt=[[1, 2]], mesh=dict(data=2, fsdp=1, pipe=1, tensor=4)), 'prompt(s)'),
+])
+def test_bad_generate_arguments_raise_config_errors(kwargs, field, one_device_params):
+  cfg, params = model_cfg(), one_device_params
+  prompt, max_new = kwargs.pop('prompt', [[1, 2]] * 4), kwargs.pop('max_new_tokens', 4)
+  if 'mesh' in kwargs:
+    kwargs['mesh'] = make_mesh(kwargs['mesh'])
+  with pytest.raises(ConfigError, match=field.replace('(', r'\(').replace(')', r'\)')):
+    generate(cfg, params, prompt, max_new, **kwargs)
+
+
+# ----------------------------------------------------------------------------- command line
+
+@pytest.fixture(scope='module')
+def tiny_checkpoints(tmp_path_factory):
+  """configs/tiny.py trained a few steps; its checkpoint directory."""
+  workdir = tmp_path_factory.mktemp('tiny_run')
+  result = run_cli('--config', 'configs/tiny.py', '--config.train.steps=2',
+                   '--config.eval.every=0', f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  return workdir / 'checkpoints'
+
+
+def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp_path):
+  """Text and ids from a checkpoint, then the same ids from one step directory and from the
+  checkpoint exported as a Hugging Face Llama; bad prompts fail before any parameter is read."""
+  args = ['--max_new_tokens', '8', '--greedy', '--print_ids']
+  result = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt', 'def ', *args,
+                   module='jaxllm.generate')
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.strip().splitlines()
+  ids = [int(i) for i in lines[-1].split(',')]
+  assert 1 <= len(ids) <= 8 and all(0 <= i < 320 for i in ids)
+  assert len(ids) == 8 or ids[-1] == 257  # the byte tokenizer's EOS
+  assert lines[0].startswith('def ')
+  # The same prompt as ids (BOS, then the bytes of 'def '), from the step directory.
+  same = ['--prompt_ids', '256,100,101,102,32', *args]
+  by_step = run_cli('--checkpoint', str(tiny_checkpoints / '2'), *same, module='jaxllm.generate')
+  assert by_step.stdout.strip().splitlines()[-1] == lines[-1], by_step.stderr[-2000:]
+  # Exported as a Hugging Face Llama it generates the same, printing ids only (there is no
+  # tokenizer.json) and, knowing no EOS, going on past it to the full count.
+  from jaxllm import hf
+  hf.export_checkpoint(str(tiny_checkpoints), str(tmp_path / 'hf'))
+  by_hf = run_cli('--hf', str(tmp_path / 'hf'), '--context', '128', *same,
+                  module='jaxllm.generate')
+  hf_lines = by_hf.stdout.strip().splitlines()
+  assert len(hf_lines) == 1, by_hf.stderr[-2000:]
+  hf_ids = [int(i) for i in hf_lines[0].split(',')]
+  assert len(hf_ids) == 8 and hf_ids[:len(ids)] == ids
+  # Here rather than in a test of its own, so that under xdist one worker trains the checkpoint.
+  check_bad_prompts_are_config_errors(tiny_checkpoints)
+  too_long = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt', 'def ',
+                     '--max_new_tokens', '200', module='jaxllm.generate')
+  assert too_long.returncode == 2
+  assert too_long.stderr.strip().splitlines() == [
+      "error: --prompt is 5 tokens and --max_new_tokens=200: 205 positions, more than the "
+      "context of 128 (data.seq_len of the checkpoint's config); shorten the prompt, lower "
+      "--max_new_tokens or pass --context N."]
+
+
+BAD_PROMPTS = [
+    (['--prompt_ids', '256,400'], '--prompt_ids: token id 400 is outside the vocabulary'),
+    (['--prompt_ids', '256,x'], '--prompt_ids'),
+    (['--prompt', 'x' * 200], '--prompt is 201 tokens'),  # data.seq_len=128
+    (['--prompt', 'def ', '--context', '8'], r'context of 8 \(--context\)'),
+]
+
+
+def check_bad_prompts_are_config_errors(checkpoints):
+  for args, field in BAD_PROMPTS:
+    with pytest.raises(ConfigError, match=field):
+      main(['generate', '--checkpoint', str(checkpoints), '--max_new_tokens', '8', *args])
+
+
+BAD_FLAGS = {
+    'no_source': (['--prompt', 'x'], '--checkpoint DIR'),
+    'two_sources': (['--checkpoint', 'a', '--hf', 'b', '--prompt', 'x'], '--checkpoint DIR'),
+    'no_prompt': (['--checkpoint', 'a'], '--prompt TEXT'),
+    'two_prompts': (['--checkpoint', 'a', '--prompt', 'x', '--prompt_ids', '1'], '--prompt TEXT'),
+    'top_p': (['--checkpoint', 'a', '--prompt', 'x', '--top_p', '1.5'], 'top_p=1.5'),
+    'top_k': (['--checkpoint', 'a', '--prompt', 'x', '--top_k', '0'], 'top_k=0'),
+    'temperature': (['--checkpoint', 'a', '--prompt', 'x', '--temperature', '0'], 'temperature'),
+    'greedy_and_sampling': (['--checkpoint', 'a', '--prompt', 'x', '--greedy', '--top_k', '5'],
+                            '--greedy'),
+    'missing_checkpoint': (['--checkpoint', '/nonexistent/run', '--prompt', 'x'],
+                           "--checkpoint='/nonexistent/run' is not a directory"),
+    'missing_hf_dir': (['--hf', '/nonexistent/llama', '--prompt', 'x'], "--hf='/nonexistent"),
+}
+
+
+@pytest.mark.parametrize('args,field', BAD_FLAGS.values(), ids=BAD_FLAGS.keys())
+def test_bad_flags_are_config_errors(args, field):
+  with pytest.raises(ConfigError, match=field):
+    main(['generate', '--max_new_tokens', '4', *args])
+
+
+@pytest.mark.parametrize('name', ['missing_checkpoint', 'top_p'])
+def test_bad_input_is_one_line_and_exit_status_2(name):
+  args, field = BAD_FLAGS[name]
+  result = run_cli('--max_new_tokens', '4', *args, module='jaxllm.generate')
+  assert result.returncode == 2
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith('error: ') and field in lines[0], result.stderr
