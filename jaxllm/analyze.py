@@ -25,6 +25,7 @@ from jaxllm.hardware import PROFILES, Hardware, axis_crosses_nodes, hardware_pro
 from jaxllm.mesh import batch_sharding, make_mesh, sharding_context, spec_axes
 from jaxllm.optim import lr_schedule, make_optimizer
 from jaxllm.pipeline import PipelineSpec, pipeline_spec
+from jaxllm.checkpoint import restore_target
 from jaxllm.step import make_train_step, state_shapes
 
 DEVICES = flags.DEFINE_integer('devices', 0, 'Analyse for this many devices, simulated on the '
@@ -65,8 +66,7 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   graphdef, abstract, shardings = state_shapes(cfg.model, tx, mesh, cfg.sharding.rules,
                                                cfg.train.seed, pipeline)
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                       abstract, shardings)
+  state = restore_target(abstract, shardings)
   rows = (cfg.train.global_batch, cfg.data.seq_len)
   sharding = batch_sharding(mesh, cfg.sharding.rules, 2)
   ints = jax.ShapeDtypeStruct(rows, jnp.int32, sharding=sharding)

@@ -14,10 +14,12 @@ import sys
 
 import grain
 import jax
+import optax
 import orbax.checkpoint as ocp
 from ml_collections import ConfigDict
 
 from jaxllm.config import ConfigError
+from jaxllm.step import state_shapes
 
 # Model fields that fix parameter shapes; a checkpoint restores only where they all agree.
 SHAPE_FIELDS = ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
@@ -35,6 +37,12 @@ def restore_target(abstract_state, shardings):
   into its place on the new mesh, so no array is ever whole on one device."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       abstract_state, shardings)
+
+
+def params_target(model_cfg: ConfigDict, mesh, rules):
+  """The model's parameters as shapes with their shardings on `mesh`: what loading reads into."""
+  _, abstract, shardings = state_shapes(model_cfg, optax.identity(), mesh, rules)
+  return restore_target(abstract.params, shardings.params)
 
 
 def _check_model_shape(saved: dict, model_cfg: ConfigDict, where: str) -> None:

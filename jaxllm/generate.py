@@ -21,18 +21,16 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import flags
 from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxllm.checkpoint import restore_params, restore_target, saved_config
+from jaxllm.checkpoint import params_target, restore_params, saved_config
 from jaxllm.config import ConfigError, default_config, main_guard
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.mesh import batch_sharding, flax_rules, make_mesh, sharding_context, spec_axes
 from jaxllm.model import KVCache, Transformer, sequence_positions
-from jaxllm.step import state_shapes
 
 # Written into the output after a row's EOS, and cut off before the ids are returned.
 _DONE = -1
@@ -337,9 +335,8 @@ def main(argv: list[str]) -> None:
   prompt = encode_prompt(model)
   check_fits(model, prompt)  # before a checkpoint's parameters are read: bad input fails fast
   if model.params is None:
-    _, abstract, shardings = state_shapes(model.cfg, optax.identity(), mesh, model.rules)
     model.params = restore_params(_CHECKPOINT.value,
-                                  restore_target(abstract.params, shardings.params), model.cfg,
+                                  params_target(model.cfg, mesh, model.rules), model.cfg,
                                   '--checkpoint')
   new_ids = generate(model.cfg, model.params, prompt, _MAX_NEW_TOKENS.value,
                      greedy=sampling.greedy, temperature=sampling.temperature,

@@ -23,17 +23,15 @@ import sys
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import AxisType
 from ml_collections import ConfigDict
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxllm.checkpoint import SHAPE_FIELDS, restore_params, restore_target, saved_config
+from jaxllm.checkpoint import SHAPE_FIELDS, params_target, restore_params, saved_config
 from jaxllm.config import ConfigError, default_config, main_guard
 from jaxllm.mesh import make_mesh
-from jaxllm.step import state_shapes
 
 CONFIG_FILE = 'config.json'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -337,12 +335,6 @@ def load_params(path: str, target_params, model_cfg: ConfigDict):
       lambda p, target: _load_param(files, found[param_name(p)], target), target_params)
 
 
-def _target(model_cfg: ConfigDict, mesh, rules):
-  """Abstract parameters with their shardings on `mesh` under `rules`."""
-  _, abstract, shardings = state_shapes(model_cfg, optax.identity(), mesh, rules)
-  return restore_target(abstract.params, shardings.params)
-
-
 def load(path: str, mesh, rules) -> tuple[ConfigDict, nnx.State]:
   """(model config, parameters) of the Hugging Face Llama checkpoint at `path`.
 
@@ -350,7 +342,7 @@ def load(path: str, mesh, rules) -> tuple[ConfigDict, nnx.State]:
   sharded on `mesh` under the logical `rules` (cfg.sharding.rules); each device reads only its
   own blocks of the files."""
   model_cfg = model_config(path)
-  return model_cfg, load_params(path, _target(model_cfg, mesh, rules), model_cfg)
+  return model_cfg, load_params(path, params_target(model_cfg, mesh, rules), model_cfg)
 
 
 # ----------------------------------------------------------------------------- export
@@ -420,7 +412,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 * 
   model_cfg.update(saved_config(checkpoint, '--checkpoint')['model'])
   host = jax.local_devices(backend='cpu')[:1]
   mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), host)
-  target = _target(model_cfg, mesh, default_config().sharding.rules)
+  target = params_target(model_cfg, mesh, default_config().sharding.rules)
   params = restore_params(checkpoint, target, model_cfg, '--checkpoint')
   export(params, model_cfg, out_dir, max_shard_bytes)
 

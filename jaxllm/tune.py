@@ -21,6 +21,7 @@ from jaxllm.hardware import Hardware, hardware_profile
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.optim import make_optimizer
 from jaxllm.pipeline import pipeline_spec
+from jaxllm.checkpoint import restore_target
 from jaxllm.step import state_shapes
 
 _MEASURE = flags.DEFINE_integer('measure', 0, 'Run the best K candidates for a few steps.')
@@ -60,8 +61,7 @@ def state_fits(c: ConfigDict, hardware: Hardware, devices) -> bool:
   tx = make_optimizer(c.optim, c.train.steps)
   _, abstract, shardings = state_shapes(c.model, tx, mesh, c.sharding.rules, c.train.seed,
                                         pipeline_spec(c, c.mesh.pipe))
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                       abstract, shardings)
+  state = restore_target(abstract, shardings)
   return analyze.shard_bytes(state) <= hardware.memory
 
 
