@@ -15,6 +15,7 @@ match what an accelerator moves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -291,11 +292,18 @@ def _all_reduce(computations, comp: str, inst: Instruction, axes, n: int, times:
   return found
 
 
+@functools.lru_cache(maxsize=2)
+def _program(hlo_text: str):
+  """The parsed module, its entry and how often each computation runs (shared by the readers
+  below, which are usually asked about the same program in turn)."""
+  computations, entry = parse_module(hlo_text)
+  return computations, call_counts(computations, entry)
+
+
 def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
   """Every collective of a compiled program (`compiled.as_text()`) on a mesh of `mesh_shape`
   (axis name → size, in the mesh's order), with its executions per step."""
-  computations, entry = parse_module(hlo_text)
-  counts = call_counts(computations, entry)
+  computations, counts = _program(hlo_text)
   found = []
   for comp, insts in computations.items():
     times = counts.get(comp, 0)
@@ -322,8 +330,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
 def dot_flops(hlo_text: str) -> float:
   """FLOPs of the program's matrix multiplies per execution (2 per multiply-add), loops
   multiplied through: what the device computes, recomputation and attention included."""
-  computations, entry = parse_module(hlo_text)
-  counts = call_counts(computations, entry)
+  computations, counts = _program(hlo_text)
   total = 0.0
   for comp, insts in computations.items():
     for inst in insts.values() if counts.get(comp) else ():
