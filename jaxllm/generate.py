@@ -1,6 +1,6 @@
 """Text generation with the KV cache: a library function and `python -m jaxllm.generate`.
 
-    python -m jaxllm.generate (--checkpoint DIR | --hf DIR) (--prompt TEXT | --prompt_ids 1,2,3)
+    python -m jaxllm.generate (--checkpoint DIR | --hf DIR) (--prompt TEXT | --prompt_file PATH | --prompt_ids 1,2,3)
         --max_new_tokens N [--greedy | --temperature T --top_k K --top_p P] [--seed S]
         [--context N] [--print_ids]
 
@@ -200,6 +200,7 @@ _HF = flags.DEFINE_string('hf', None, 'A Hugging Face Llama directory (config.js
                           'safetensors, and tokenizer.json for --prompt).')
 _PROMPT = flags.DEFINE_string('prompt', None, 'The prompt text.')
 _PROMPT_IDS = flags.DEFINE_string('prompt_ids', None, 'The prompt as comma-separated token ids.')
+_PROMPT_FILE = flags.DEFINE_string('prompt_file', None, 'A file whose text is the prompt.')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', None, 'Tokens to generate at most.')
 _GREEDY = flags.DEFINE_bool('greedy', False, 'Take the likeliest token at every step.')
 _TEMPERATURE = flags.DEFINE_float('temperature', None, 'Sampling temperature (default 1).')
@@ -241,8 +242,9 @@ def parse_flags(argv: list[str]) -> Sampling:
   if (_CHECKPOINT.value is None) == (_HF.value is None):
     raise ConfigError('give exactly one of --checkpoint DIR (a jaxllm checkpoint) and --hf DIR '
                       '(a Hugging Face Llama directory).')
-  if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
-    raise ConfigError('give exactly one of --prompt TEXT and --prompt_ids 1,2,3.')
+  if [_PROMPT.value, _PROMPT_IDS.value, _PROMPT_FILE.value].count(None) != 2:
+    raise ConfigError('give exactly one of --prompt TEXT, --prompt_file PATH and '
+                      '--prompt_ids 1,2,3.')
   if _MAX_NEW_TOKENS.value is None or _MAX_NEW_TOKENS.value < 1:
     raise ConfigError(f'--max_new_tokens={_MAX_NEW_TOKENS.value}: give the number of tokens '
                       'to generate, at least 1.')
@@ -285,6 +287,18 @@ def load_hf(path: str, mesh: jax.sharding.Mesh) -> Model:
                tokenizer.eos_id if tokenizer else hf_config.get('eos_token_id'))
 
 
+def prompt_text() -> str:
+  """--prompt, or the text of --prompt_file."""
+  if _PROMPT_FILE.value is None:
+    return _PROMPT.value
+  try:
+    with open(_PROMPT_FILE.value, encoding='utf-8') as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f'--prompt_file={_PROMPT_FILE.value!r} cannot be read '
+                      f'({getattr(e, "strerror", None) or e}); give a UTF-8 text file.') from None
+
+
 def encode_prompt(model: Model) -> list[int]:
   """The prompt's ids: --prompt_ids, or --prompt through the model's tokenizer (its BOS kept,
   the EOS it ends documents with dropped: the text goes on)."""
@@ -297,7 +311,7 @@ def encode_prompt(model: Model) -> list[int]:
   if model.tokenizer is None:
     raise ConfigError(f'--prompt needs a tokenizer, and {_HF.value} has no tokenizer.json; '
                       'add one or give --prompt_ids.')
-  ids = model.tokenizer.encode(_PROMPT.value).tolist()
+  ids = model.tokenizer.encode(prompt_text()).tolist()
   if ids and ids[-1] == model.tokenizer.eos_id:
     ids = ids[:-1]
   if not ids:

@@ -200,6 +200,11 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
   same = ['--prompt_ids', '256,100,101,102,32', *args]
   by_step = run_cli('--checkpoint', str(tiny_checkpoints / '2'), *same, module='jaxllm.generate')
   assert by_step.stdout.strip().splitlines()[-1] == lines[-1], by_step.stderr[-2000:]
+  # And as a file's text.
+  (tmp_path / 'prompt.txt').write_text('def ')
+  by_file = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt_file',
+                    str(tmp_path / 'prompt.txt'), *args, module='jaxllm.generate')
+  assert by_file.stdout.strip().splitlines()[-1] == lines[-1], by_file.stderr[-2000:]
   # Exported as a Hugging Face Llama it generates the same, printing ids only (there is no
   # tokenizer.json) and, knowing no EOS, going on past it to the full count.
   from jaxllm import hf
@@ -226,6 +231,8 @@ BAD_PROMPTS = [
     (['--prompt_ids', '256,x'], '--prompt_ids'),
     (['--prompt', 'x' * 200], '--prompt is 201 tokens'),  # data.seq_len=128
     (['--prompt', 'def ', '--context', '8'], r'context of 8 \(--context\)'),
+    (['--prompt_file', '/nonexistent/prompt.txt'],
+     "--prompt_file='/nonexistent/prompt.txt' cannot be read"),
 ]
 
 
@@ -240,6 +247,8 @@ BAD_FLAGS = {
     'two_sources': (['--checkpoint', 'a', '--hf', 'b', '--prompt', 'x'], '--checkpoint DIR'),
     'no_prompt': (['--checkpoint', 'a'], '--prompt TEXT'),
     'two_prompts': (['--checkpoint', 'a', '--prompt', 'x', '--prompt_ids', '1'], '--prompt TEXT'),
+    'prompt_and_file': (['--checkpoint', 'a', '--prompt', 'x', '--prompt_file', 'p.txt'],
+                        '--prompt_file PATH'),
     'top_p': (['--checkpoint', 'a', '--prompt', 'x', '--top_p', '1.5'], 'top_p=1.5'),
     'top_k': (['--checkpoint', 'a', '--prompt', 'x', '--top_k', '0'], 'top_k=0'),
     'temperature': (['--checkpoint', 'a', '--prompt', 'x', '--temperature', '0'], 'temperature'),
