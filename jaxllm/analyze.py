@@ -20,12 +20,13 @@ from absl import flags
 from ml_collections import ConfigDict
 
 from jaxllm import hlo, metrics
+from jaxllm.checkpoint import restore_target
 from jaxllm.config import ConfigError, main_guard, parse_command_line, resolve_mesh, validate
 from jaxllm.hardware import PROFILES, Hardware, axis_crosses_nodes, hardware_profile
 from jaxllm.mesh import batch_sharding, make_mesh, sharding_context, spec_axes
+from jaxllm.model import available_attention
 from jaxllm.optim import lr_schedule, make_optimizer
 from jaxllm.pipeline import PipelineSpec, pipeline_spec
-from jaxllm.checkpoint import restore_target
 from jaxllm.step import make_train_step, state_shapes
 
 DEVICES = flags.DEFINE_integer('devices', 0, 'Analyse for this many devices, simulated on the '
@@ -63,6 +64,8 @@ def shard_bytes(tree) -> int:
 
 def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
   """The train step compiled ahead of time from abstract state and batch shapes."""
+  cfg = ConfigDict(cfg)  # our own copy: the attention fallback below must not leak back
+  cfg.model.attention = available_attention(cfg.model)
   devices = jax.devices() if devices is None else devices
   mesh_shape = resolve_mesh(cfg.mesh, len(devices))
   validate(cfg, mesh_shape)
@@ -303,8 +306,6 @@ def parse_and_place(argv: list[str]):
     jax.config.update('jax_num_cpu_devices', DEVICES.value)
   elif cfg.cpu_devices:
     jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
-  if cfg.model.attention == 'cudnn' and jax.default_backend() != 'gpu':
-    cfg.model.attention = 'xla'  # the same matmuls; the fused kernel needs a GPU to compile
   return cfg, workdir
 
 

@@ -192,6 +192,14 @@ class Block(nnx.Module):
     return x_BTD if cache is None else (x_BTD, new_kv)
 
 
+def available_attention(model_cfg: ConfigDict) -> str:
+  """model.attention on this backend: 'cudnn' is a fused NVIDIA kernel, so elsewhere 'xla'
+  (the same math) stands in for it."""
+  if model_cfg.attention == 'cudnn' and jax.default_backend() != 'gpu':
+    return 'xla'
+  return model_cfg.attention
+
+
 def sequence_positions(tokens_BT):
   """Positions 0..T-1 of every row: one unpacked sequence per row."""
   return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)

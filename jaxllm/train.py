@@ -24,6 +24,7 @@ from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.config import TrainingError, main_guard, parse_command_line, resolve_mesh, validate
 from jaxllm.data import make_batches, make_eval_batches
 from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.model import available_attention
 from jaxllm.optim import lr_schedule, make_optimizer
 from jaxllm.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
 from jaxllm.step import TrainState, init_state, loss_terms, make_train_step, state_shapes
@@ -54,10 +55,10 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   devices = jax.devices() if devices is None else devices
   mesh_shape = resolve_mesh(cfg.mesh, len(devices))
   validate(cfg, mesh_shape)
-  if cfg.model.attention == 'cudnn' and jax.default_backend() != 'gpu':
+  if available_attention(cfg.model) != cfg.model.attention:
     print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the backend is "
           f"{jax.default_backend()}; using 'xla' attention.")
-    cfg.model.attention = 'xla'
+    cfg.model.attention = available_attention(cfg.model)
   mesh = make_mesh(mesh_shape, devices)
   batches = make_batches(cfg, mesh)
   eval_batches = make_eval_batches(cfg, mesh) if cfg.eval.every else None
