@@ -18,7 +18,7 @@ import optax
 import orbax.checkpoint as ocp
 from ml_collections import ConfigDict
 
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, default_config
 from jaxllm.step import state_shapes
 
 # Model fields that fix parameter shapes; a checkpoint restores only where they all agree.
@@ -157,12 +157,14 @@ def _open_checkpoint(path: str, field: str) -> tuple[ocp.CheckpointManager, str,
   return manager, directory, step
 
 
-def saved_config(path: str, field: str = 'init_from') -> dict:
-  """The run config (a dict) that a checkpoint directory's newest step, or one step
-  directory, was saved with."""
+def saved_config(path: str, field: str = 'init_from') -> ConfigDict:
+  """The run config that a checkpoint directory's newest step, or one step directory, was
+  saved with, over today's defaults (a run saved before a field existed lacks it)."""
   manager, _, step = _open_checkpoint(path, field)
   try:
-    return _saved_config(manager, step)
+    cfg = default_config()
+    cfg.update(_saved_config(manager, step))
+    return cfg
   finally:
     manager.close()
 

@@ -262,8 +262,7 @@ def parse_flags(argv: list[str]) -> Sampling:
 
 def open_checkpoint(path: str) -> Model:
   """A jaxllm checkpoint's saved config and tokenizer; its parameters are read later."""
-  cfg = default_config()
-  cfg.update(saved_config(path, '--checkpoint'))  # over the defaults: older runs lack new fields
+  cfg = saved_config(path, '--checkpoint')
   tokenizer = load_tokenizer(cfg.data)
   return Model(cfg.model, None, cfg.sharding.rules, tokenizer, cfg.data.seq_len,
                "data.seq_len of the checkpoint's config", tokenizer.eos_id)

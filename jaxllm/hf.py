@@ -408,11 +408,11 @@ def export(params, model_cfg: ConfigDict, out_dir: str, max_shard_bytes: int = 5
 def export_checkpoint(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 * 10**9) -> None:
   """Exports the parameters of a jaxllm checkpoint (a checkpoint directory's newest step, or
   one step directory), restored into host memory."""
-  model_cfg = default_config().model
-  model_cfg.update(saved_config(checkpoint, '--checkpoint')['model'])
+  cfg = saved_config(checkpoint, '--checkpoint')
+  model_cfg = cfg.model
   host = jax.local_devices(backend='cpu')[:1]
   mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), host)
-  target = params_target(model_cfg, mesh, default_config().sharding.rules)
+  target = params_target(model_cfg, mesh, cfg.sharding.rules)
   params = restore_params(checkpoint, target, model_cfg, '--checkpoint')
   export(params, model_cfg, out_dir, max_shard_bytes)
 
