@@ -22,7 +22,7 @@ from ml_collections import ConfigDict
 from jaxllm import hlo, metrics
 from jaxllm.checkpoint import restore_target
 from jaxllm.config import ConfigError, main_guard, parse_command_line, resolve_mesh, validate
-from jaxllm.hardware import PROFILES, Hardware, axis_crosses_nodes, hardware_profile
+from jaxllm.hardware import PROFILES, Hardware, axes_across_nodes, hardware_profile
 from jaxllm.mesh import batch_sharding, make_mesh, sharding_context, spec_axes
 from jaxllm.model import available_attention
 from jaxllm.optim import lr_schedule, make_optimizer
@@ -161,8 +161,9 @@ def collective_table(c: Compiled, hardware: Hardware) -> tuple[list[dict], list[
   for (axes, _), g in groups.items():
     per_axes[axes] += g['bytes']
   rows = []
+  spanning = axes_across_nodes(c.mesh_shape, c.cfg.mesh.across_hosts, hardware.devices_per_node)
   for (axes, kind), g in sorted(groups.items()):
-    crosses = axis_crosses_nodes(c.mesh_shape, axes, hardware.devices_per_node)
+    crosses = bool(spanning & set(axes))
     bandwidth, latency = ((hardware.inter_node_bw, hardware.inter_node_latency) if crosses else
                           (hardware.intra_node_bw, hardware.intra_node_latency))
     rows.append({'axes': list(axes), 'kind': kind, 'count': g['count'], 'bytes': g['bytes'],

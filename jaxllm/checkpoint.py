@@ -2,23 +2,30 @@
 the config; restores onto whatever mesh the run has now.
 
 A checkpoint step directory holds three items: 'state' (step, params, optimizer state, in
-layer order whatever the pipeline schedule), 'data' (each process's grain iterator state) and
-'config' (the run's config as JSON). Orbax writes a step into a temporary directory and renames
-it when complete, so a save cut short by a crash never looks like a checkpoint.
+layer order whatever the pipeline schedule), 'data' (the position of each data stream, one JSON
+file per stream, so any number of processes can read it back) and 'config' (the run's config as
+JSON). All processes write a checkpoint together, each its own shards and streams. Orbax
+writes a step into a temporary directory and renames it when complete, so a save cut short by
+a crash never looks like a checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
 import sys
 
-import grain
 import jax
 import optax
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from jaxllm.config import ConfigError, default_config
+from jaxllm.data import Streams
 from jaxllm.step import state_shapes
 
 # Model fields that fix parameter shapes; a checkpoint restores only where they all agree.
@@ -43,6 +50,41 @@ def params_target(model_cfg: ConfigDict, mesh, rules):
   """The model's parameters as shapes with their shardings on `mesh`: what loading reads into."""
   _, abstract, shardings = state_shapes(model_cfg, optax.identity(), mesh, rules)
   return restore_target(abstract.params, shardings.params)
+
+
+class StreamPositions(ocp.CheckpointHandler):
+  """The data position: `stream-S-of-N.json` per stream. Each process writes the streams it
+  owns and reads the ones it needs, so a checkpoint of N processes restores on any number."""
+
+  def save(self, directory: epath.Path, args: StreamPositionsSave):
+    state = args.streams.get_state()
+    for s in args.streams.owned:
+      (directory / f'stream-{s}-of-{state["streams"]}.json').write_text(
+          json.dumps(state['positions'][str(s)]))
+
+  def restore(self, directory: epath.Path, args: StreamPositionsRestore):
+    saved = [re.fullmatch(r'stream-(\d+)-of-(\d+)\.json', p.name) for p in directory.iterdir()]
+    counts = {int(m[2]) for m in saved if m}
+    if len(counts) != 1:
+      raise ValueError(f'{directory} holds no data stream positions')
+    (count,) = counts
+    positions = {str(s): json.loads((directory / f'stream-{s}-of-{count}.json').read_text())
+                 for s in args.streams.stream_ids(count)}
+    args.streams.set_state({'streams': count, 'positions': positions})
+    args.streams.start_prefetch()
+    return args.streams
+
+
+@ocp.args.register_with_handler(StreamPositions, for_save=True)
+@dataclasses.dataclass
+class StreamPositionsSave(ocp.args.CheckpointArgs):
+  streams: Streams
+
+
+@ocp.args.register_with_handler(StreamPositions, for_restore=True)
+@dataclasses.dataclass
+class StreamPositionsRestore(ocp.args.CheckpointArgs):
+  streams: Streams
 
 
 def _check_model_shape(saved: dict, model_cfg: ConfigDict, where: str) -> None:
@@ -85,8 +127,8 @@ class Checkpoints:
     Returns once the arrays are copied off the devices; the files are written in the
     background while training goes on."""
     items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(cfg.to_dict()))
-    if isinstance(batches, grain.DatasetIterator):
-      items['data'] = grain.checkpoint.CheckpointSave(batches)
+    if isinstance(batches, Streams):
+      items['data'] = StreamPositionsSave(batches)
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore_latest(self, target, batches, model_cfg: ConfigDict):
@@ -107,8 +149,8 @@ class Checkpoints:
         continue
       _check_model_shape(saved, model_cfg, where)  # a mismatch is the user's to fix: no fallback
       items = dict(state=ocp.args.StandardRestore(target))
-      if isinstance(batches, grain.DatasetIterator):
-        items['data'] = grain.checkpoint.CheckpointRestore(batches)
+      if isinstance(batches, Streams):
+        items['data'] = StreamPositionsRestore(batches)
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # orbax and tensorstore raise many kinds for damaged files
@@ -116,10 +158,12 @@ class Checkpoints:
         continue
       for bad_step, reason in failures:
         bad = os.path.join(self.directory, str(bad_step))
-        os.replace(bad, bad + SET_ASIDE_SUFFIX)
+        if jax.process_index() == 0:
+          os.replace(bad, bad + SET_ASIDE_SUFFIX)
         _warn(f'checkpoint {bad} could not be read ({reason}); set it aside as '
               f'{bad}{SET_ASIDE_SUFFIX} and resumed from step {step}.')
       if failures:
+        multihost_utils.sync_global_devices('jaxllm: damaged checkpoints set aside')
         self.manager.reload()
       return restored.state
     if failures:

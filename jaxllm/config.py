@@ -11,6 +11,7 @@ import importlib.util
 import math
 import os
 import sys
+import traceback
 
 from absl import flags
 from ml_collections import ConfigDict, config_flags
@@ -73,7 +74,9 @@ def default_config() -> ConfigDict:
   ))
 
   # -1 means "whatever is left of the devices"; at most one axis may say so.
-  c.mesh = ConfigDict(dict(data=1, fsdp=-1, pipe=1, tensor=1))
+  # across_hosts: on several hosts, the axes (comma-separated, first filled first) whose
+  # extent is split between hosts; the rest stay inside each host, on its fast links.
+  c.mesh = ConfigDict(dict(data=1, fsdp=-1, pipe=1, tensor=1, across_hosts='data,pipe,fsdp,tensor'))
 
   # Logical axis name -> mesh axes it is split over (empty tuple: replicated).
   # This table is the one place that binds model axes to the mesh.
@@ -144,6 +147,11 @@ def default_config() -> ConfigDict:
       eval_path='',        # held-out documents; or hold out a fraction of data.path:
       eval_fraction=0.0,
       prefetch=4,          # batches prepared ahead of the train step
+      # Independent streams the documents are read in, each filling its block of rows of
+      # every batch; a process reads the streams its rows come from. 0: one per process
+      # (or what the run's checkpoint used). A fixed number makes the batches the same on
+      # any number of processes.
+      streams=0,
   ))
 
   c.eval = ConfigDict(dict(
@@ -161,6 +169,16 @@ def default_config() -> ConfigDict:
   # 'hf:DIR', a Hugging Face Llama checkpoint) and fresh optimizer state: fine-tuning.
   # Ignored when the run has checkpoints of its own.
   c.init_from = ''
+
+  # Many processes (hosts) as one run, through jax.distributed. Under SLURM, Open MPI or
+  # Kubernetes the fields below are found from the environment; set them to launch by hand.
+  c.distributed = ConfigDict(dict(
+      coordinator_address='',  # host:port of process 0, reachable from every process
+      num_processes=0,         # 0: from the cluster, or a single process when there is none
+      process_id=-1,           # this process, 0 … num_processes-1; -1: from the cluster
+      initialization_timeout=300,  # seconds for all processes to join before giving up
+      heartbeat_timeout=100,   # seconds a process may go silent before the run stops with an error
+  ))
 
   # A jax.profiler trace of steps start_step … start_step+steps-1 into <workdir>/profile.
   c.profile = ConfigDict(dict(
@@ -246,6 +264,14 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
         f'{shards * t.micro_batches} or change train.micro_batches.')
   if mesh_shape['pipe'] > 1:
     _validate_pipeline(cfg, mesh_shape)
+
+  across = [a.strip() for a in cfg.mesh.across_hosts.split(',') if a.strip()]
+  if any(a not in MESH_AXES for a in across):
+    raise ConfigError(f'mesh.across_hosts={cfg.mesh.across_hosts!r} names unknown axes '
+                      f'{[a for a in across if a not in MESH_AXES]}; use a comma-separated list '
+                      f'of {", ".join(MESH_AXES)}.')
+  if cfg.data.streams < 0:
+    raise ConfigError(f'data.streams={cfg.data.streams} must be at least 0 (0: one per process).')
 
   rules = cfg.sharding.rules
   for name, axes in rules.items():
@@ -366,12 +392,33 @@ def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
 
 def main_guard(main):
   """Runs `main(argv)`; a ConfigError becomes one line on stderr and exit status 2, a
-  TrainingError one line and exit status 1."""
+  TrainingError one line and exit status 1. In a run of several processes any other error
+  also ends this process at once (after its traceback), with status 1."""
   try:
     main(sys.argv)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+    _exit(2)
   except TrainingError as e:
     print(f'error: {e}', file=sys.stderr)
-    sys.exit(1)
+    _exit(1)
+  except Exception:
+    if not _several_processes():
+      raise
+    traceback.print_exc()
+    _exit(1)
+
+
+def _several_processes() -> bool:
+  import jax
+  return jax.distributed.is_initialized()
+
+
+def _exit(code: int) -> None:
+  """sys.exit, except in a run of several processes: there the other processes may be gone
+  already, and JAX's clean-up at exit would wait for them, so the process ends at once."""
+  if _several_processes():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)

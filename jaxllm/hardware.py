@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxllm.config import ConfigError
+from jaxllm.mesh import host_split
 
 GiB = 2**30
 
@@ -52,15 +54,9 @@ def hardware_profile(name: str, device_memory_gb: float = 0.0) -> Hardware:
   return profile
 
 
-def axis_crosses_nodes(mesh_shape: dict[str, int], axes: tuple[str, ...],
-                       devices_per_node: int) -> bool:
-  """Whether a collective over `axes` spans devices of different nodes. Devices are numbered
-  row-major over the mesh (the last axis, tensor, fastest) and filled node by node."""
-  names = list(mesh_shape)
-  for axis in axes:
-    stride = 1
-    for later in names[names.index(axis) + 1:]:
-      stride *= mesh_shape[later]
-    if stride * mesh_shape[axis] > devices_per_node:
-      return True
-  return False
+def axes_across_nodes(mesh_shape: dict[str, int], across_hosts: str,
+                      devices_per_node: int) -> set[str]:
+  """The mesh axes that span nodes when the devices fill nodes of `devices_per_node`, laid
+  out as a run lays them out (mesh.across_hosts, see `jaxllm.mesh.host_split`)."""
+  nodes = max(1, math.prod(mesh_shape.values()) // devices_per_node)
+  return {a for a, n in host_split(mesh_shape, nodes, across_hosts).items() if n > 1}

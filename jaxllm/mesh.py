@@ -13,17 +13,60 @@ import math
 import jax
 from flax import nnx
 from flax.core import spmd
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import AXIS_FIELDS, MESH_AXES, ConfigError
 
 
-def make_mesh(shape: dict[str, int], devices=None) -> jax.sharding.Mesh:
-  """A mesh with the four named axes, all compiler-managed (Auto)."""
+def make_mesh(shape: dict[str, int], devices=None,
+              across_hosts: str = 'data,pipe,fsdp,tensor') -> jax.sharding.Mesh:
+  """A mesh with the four named axes, all compiler-managed (Auto).
+
+  On devices of several hosts (see `hosts`) it is two-level: the axes named in
+  `across_hosts` (mesh.across_hosts) take the split between hosts, so the traffic of the
+  others stays on each host's fast links.
+  """
   sizes = tuple(shape[a] for a in MESH_AXES)
-  devices = jax.devices() if devices is None else devices
-  return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices[:math.prod(sizes)])
+  devices = list(jax.devices() if devices is None else devices)[:math.prod(sizes)]
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  groups, by_slice = hosts(devices)
+  if len(groups) == 1:
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+  outer = host_split(shape, len(groups), across_hosts)
+  inner = [shape[a] // outer[a] for a in MESH_AXES]
+  grid = mesh_utils.create_hybrid_device_mesh(inner, [outer[a] for a in MESH_AXES], devices,
+                                              process_is_granule=not by_slice)
+  return jax.sharding.Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def hosts(devices) -> tuple[list[list], bool]:
+  """The devices grouped by host: by slice (GPUs and TPUs report the fast-link domain each
+  sits in) when they span several, else by process; and whether slices were used."""
+  for attribute in ('slice_index', 'process_index'):
+    groups: dict[int, list] = {}
+    for d in devices:
+      groups.setdefault(getattr(d, attribute, 0), []).append(d)
+    if len(groups) > 1:
+      return list(groups.values()), attribute == 'slice_index'
+  return [list(devices)], False
+
+
+def host_split(shape: dict[str, int], num_hosts: int, across_hosts: str) -> dict[str, int]:
+  """How much of each mesh axis spans hosts: the hosts are handed out to the axes of
+  `across_hosts` in order, each taking the largest part of what is left that divides it."""
+  axes = [a.strip() for a in across_hosts.split(',') if a.strip()]  # names checked by validate
+  outer, left = dict.fromkeys(MESH_AXES, 1), num_hosts
+  for a in axes:
+    outer[a] = math.gcd(shape[a], left)
+    left //= outer[a]
+  if left > 1:
+    spanned = '×'.join(f'{a}={outer[a]}' for a in axes) or 'no axis'
+    raise ConfigError(
+        f'mesh.across_hosts={across_hosts!r}: the devices are on {num_hosts} hosts but '
+        f'{spanned} spans only {num_hosts // left} of them; add an axis to mesh.across_hosts, '
+        f'or resize its axes so their sizes multiply to a multiple of {num_hosts}.')
+  return outer
 
 
 @contextlib.contextmanager

@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
-from jaxllm import hf, metrics
+from jaxllm import distributed, hf, metrics
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.config import TrainingError, main_guard, parse_command_line, resolve_mesh, validate
-from jaxllm.data import make_batches, make_eval_batches
-from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.data import Streams, make_batches, make_eval_batches
+from jaxllm.mesh import host_split, hosts, make_mesh, sharding_context
 from jaxllm.model import available_attention
 from jaxllm.optim import lr_schedule, make_optimizer
 from jaxllm.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
@@ -56,10 +57,11 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   mesh_shape = resolve_mesh(cfg.mesh, len(devices))
   validate(cfg, mesh_shape)
   if available_attention(cfg.model) != cfg.model.attention:
-    print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the backend is "
-          f"{jax.default_backend()}; using 'xla' attention.")
+    if metrics.is_logging_process():
+      print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the backend is "
+            f"{jax.default_backend()}; using 'xla' attention.")
     cfg.model.attention = available_attention(cfg.model)
-  mesh = make_mesh(mesh_shape, devices)
+  mesh = make_mesh(mesh_shape, devices, cfg.mesh.across_hosts)
   batches = make_batches(cfg, mesh)
   eval_batches = make_eval_batches(cfg, mesh) if cfg.eval.every else None
   tx = make_optimizer(cfg.optim, cfg.train.steps)
@@ -120,17 +122,24 @@ def _layer_order(run: Run, state: TrainState) -> TrainState:
   return jax.jit(lambda s: from_stage_order(s, *stages), out_shardings=shardings)(state)
 
 
-def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | None) -> str:
+def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | None,
+             batches=None) -> str:
   """The derived numbers a user should see before the first step."""
   t, m = cfg.train, cfg.model
   shards = mesh.shape['data'] * mesh.shape['fsdp']
   params = metrics.param_counts(m)
   flops = metrics.flops_per_token(m, cfg.data.seq_len)
   micro = t.global_batch // t.micro_batches
-  devices = mesh.devices.flat
-  return '\n'.join([
-      f'devices  {mesh.size} × {devices[0].device_kind}   mesh  ' +
-      ' '.join(f'{a}={n}' for a, n in mesh.shape.items()),
+  devices = list(mesh.devices.flat)
+  lines = [f'devices  {mesh.size} × {devices[0].device_kind}   mesh  ' +
+           ' '.join(f'{a}={n}' for a, n in mesh.shape.items())]
+  groups, _ = hosts(devices)
+  if len(groups) > 1:
+    between = host_split(mesh.shape, len(groups), cfg.mesh.across_hosts)
+    lines.append(f'hosts    {len(groups)} × {len(groups[0])} devices, {jax.process_count()} '
+                 'processes; split between hosts: ' +
+                 ' '.join(f'{a}={n}' for a, n in between.items() if n > 1))
+  lines += [
       f'model    {params["total"] / 1e6:,.2f}M parameters ({params["embedding"] / 1e6:,.2f}M '
       f'embedding); {flops["full"] / 1e6:,.1f} MFLOP/token (6N + 12LHQT, full attention), '
       f'{flops["causal"] / 1e6:,.1f} with causal halving',
@@ -138,29 +147,43 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | 
       f'{t.global_batch * cfg.data.seq_len:,} tokens/step; {t.global_batch // shards} sequences '
       f'per data×fsdp shard ({shards} shards); {t.micro_batches} micro-batch(es) of {micro} '
       f'({micro // shards} per shard)',
-      f'compute  {m.dtype} (params {m.param_dtype}), attention {m.attention}, remat {m.remat}',
-  ] + ([
-      f'pipeline {cfg.pipeline.schedule}: S={pipeline.stages} stages × R={pipeline.repeats} '
-      f'repeats, M={pipeline.microbatches} micro-batches of {micro // pipeline.microbatches}, '
-      f'{m.num_layers // (pipeline.stages * pipeline.repeats)} layers per stage visit, '
-      f'bubble (S-1)/(R·M+S-1) = {pipeline.bubble_fraction:.1%}, stage weights gathered '
-      f'once per {cfg.pipeline.gather_weights}'] if pipeline else []))
+      f'compute  {m.dtype} (params {m.param_dtype}), attention {m.attention}, remat {m.remat}']
+  if isinstance(batches, Streams):
+    lines.append(f'data     read as {batches.streams} stream(s) of '
+                 f'{t.global_batch // batches.streams} rows per batch (data.streams)')
+  if pipeline:
+    lines.append(
+        f'pipeline {cfg.pipeline.schedule}: S={pipeline.stages} stages × R={pipeline.repeats} '
+        f'repeats, M={pipeline.microbatches} micro-batches of {micro // pipeline.microbatches}, '
+        f'{m.num_layers // (pipeline.stages * pipeline.repeats)} layers per stage visit, '
+        f'bubble (S-1)/(R·M+S-1) = {pipeline.bubble_fraction:.1%}, stage weights gathered '
+        f'once per {cfg.pipeline.gather_weights}')
+  return '\n'.join(lines)
 
 
 @contextlib.contextmanager
 def preemption_signals():
-  """SIGTERM and SIGINT set the event instead of killing the run: the loop finishes its step,
-  saves and stops. A second SIGINT interrupts at once (an impatient Ctrl-C)."""
-  preempted = threading.Event()
+  """SIGTERM and SIGINT ask the run to stop: the loop finishes its step, saves and stops.
+  Yields `stop(step)`, true for the step to stop after. A second SIGINT interrupts at once
+  (an impatient Ctrl-C).
+
+  Over several processes all must stop after the same step, wherever the signal landed:
+  JAX's preemption service (which catches SIGTERM itself) agrees on that step, so SIGINT is
+  passed on to it as SIGTERM."""
+  asked = threading.Event()
+  several = jax.process_count() > 1
 
   def on_signal(signum, frame):
-    if signum == signal.SIGINT and preempted.is_set():
+    if signum == signal.SIGINT and asked.is_set():
       raise KeyboardInterrupt
-    preempted.set()
+    asked.set()
+    if several:
+      os.kill(os.getpid(), signal.SIGTERM)
 
-  previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+  signals = (signal.SIGINT,) if several else (signal.SIGTERM, signal.SIGINT)
+  previous = {sig: signal.signal(sig, on_signal) for sig in signals}
   try:
-    yield preempted
+    yield multihost_utils.reached_preemption_sync_point if several else (lambda step: asked.is_set())
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)
@@ -248,7 +271,7 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
   run = setup(cfg, devices, workdir)
   cfg, state = run.cfg, run.state
   log = metrics.MetricsLog(workdir, cfg.train.steps, enabled=metrics.is_logging_process())
-  log.info(describe(cfg, run.mesh, run.pipeline))
+  log.info(describe(cfg, run.mesh, run.pipeline, run.batches))
   log.info(f'state    {run.origin}')
   if workdir and metrics.is_logging_process():
     os.makedirs(workdir, exist_ok=True)
@@ -263,8 +286,8 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
       log.info(f'nothing to do: the state is at step {first - 1} of train.steps='
                f'{cfg.train.steps}.')
       return state, history
-    with preemption_signals() as preempted, StepTrace(cfg.profile, workdir, log) as trace:
-      state, history = _loop(run, state, first, log, preempted, trace)
+    with preemption_signals() as stop, StepTrace(cfg.profile, workdir, log) as trace:
+      state, history = _loop(run, state, first, log, stop, trace)
   finally:
     if run.checkpoints:
       run.checkpoints.wait()  # a save in flight completes even when the run stops on an error
@@ -299,10 +322,10 @@ def _interval_row(run: Run, step: int, values: list[dict], seconds: float,
   return row
 
 
-def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog, preempted,
-          trace: StepTrace | None = None):
-  """Steps from `first` to train.steps: logs per interval, saves, evaluates, stops on a signal;
-  `trace` profiles the steps it asks for."""
+def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
+          stop: Callable[[int], bool], trace: StepTrace | None = None):
+  """Steps from `first` to train.steps: logs per interval, saves, evaluates, stops after the
+  step `stop(step)` is true for; `trace` profiles the steps it asks for."""
   cfg, ckpt = run.cfg, run.checkpoints
   eval_step = jax.jit(lambda params, batch: loss_terms(run.graphdef, params, batch, run.pipeline))
 
@@ -324,7 +347,7 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog, pree
       aside += trace.after(step, state)
     pending.append(step_metrics)
     last = step == cfg.train.steps
-    stopping = preempted.is_set()  # read once: a signal may land at any moment
+    stopping = stop(step)  # asked once per step: a signal may land at any moment
     save = ckpt and (stopping or
                      (cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or last)))
     if save or stopping or step % cfg.train.log_every == 0 or last:
@@ -367,7 +390,8 @@ def main(argv: list[str]) -> None:
   if cfg.cpu_devices:
     # Must happen before JAX starts its backends; only the CPU backend reads it.
     jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
-  train(cfg, workdir)
+  with distributed.session(cfg.distributed):
+    train(cfg, workdir)
 
 
 if __name__ == '__main__':

@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli, small_config
 from jaxllm import hlo
 from jaxllm.analyze import analyze, compile_step, expected_bytes
-from jaxllm.hardware import PROFILES, axis_crosses_nodes
+from jaxllm.hardware import PROFILES, axes_across_nodes
 from jaxllm.tune import factorisations, measure, rank
 
 H100 = PROFILES['h100-nvlink']
@@ -83,12 +83,11 @@ def test_collective_groups_are_read_in_every_form():
                         permute=True) == (('data',), 2)
 
 
-def test_axes_cross_nodes_by_their_stride():
-  shape = dict(data=2, fsdp=8, pipe=1, tensor=4)  # 64 devices, nodes of 8
-  assert not axis_crosses_nodes(shape, ('tensor',), 8)
-  assert axis_crosses_nodes(shape, ('fsdp',), 8)
-  assert axis_crosses_nodes(shape, ('data',), 8)
-  assert not axis_crosses_nodes(dict(data=8, fsdp=1, pipe=1, tensor=1), ('data',), 8)
+def test_axes_cross_nodes_as_the_run_lays_them_out():
+  shape = dict(data=2, fsdp=8, pipe=1, tensor=4)  # 64 devices: 8 nodes of 8
+  assert axes_across_nodes(shape, 'data,pipe,fsdp,tensor', 8) == {'data', 'fsdp'}
+  assert axes_across_nodes(shape, 'fsdp,data', 8) == {'fsdp'}
+  assert axes_across_nodes(dict(data=8, fsdp=1, pipe=1, tensor=1), 'data', 8) == set()
 
 
 def test_factorisations_are_all_ordered_products():

@@ -67,6 +67,12 @@ BAD_INPUTS = {
                           '--config.pipeline.schedule=circular'], 'pipeline.repeats'),
     'profile_steps': (['--config.profile.start_step=5', '--config.profile.steps=0'],
                       'profile.steps'),
+    'process_id': (['--config.distributed.num_processes=2', '--config.distributed.process_id=2'],
+                   'distributed.process_id'),
+    'coordinator_port': (['--config.distributed.coordinator_address=localhost'],
+                         'distributed.coordinator_address'),
+    'across_hosts': (['--config.mesh.across_hosts=data,hosts'], 'mesh.across_hosts'),
+    'streams_vs_batch': (['--config.data.streams=3'], 'data.streams'),
 }
 
 

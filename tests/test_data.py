@@ -1,4 +1,4 @@
-"""The input pipeline: formats, tokenizers, packing, order, process shares, splits, resume."""
+"""The input pipeline: formats, tokenizers, packing, order, streams, splits, resume."""
 
 import io
 import json
@@ -12,7 +12,7 @@ from jaxllm.config import ConfigError
 from jaxllm.data import (BOS_ID, EOS_ID, load_tokenizer, make_batches, make_eval_batches,
                          write_token_records)
 from jaxllm.data.pretokenize import pretokenize
-from jaxllm.data.sources import process_share, split
+from jaxllm.data.sources import split, stream_share
 from jaxllm.data.tokenizer import ByteTokenizer
 from jaxllm.mesh import make_mesh
 
@@ -157,8 +157,6 @@ def test_synthetic_batch_is_fixed_and_stateless(mesh):
   np.testing.assert_array_equal(first['inputs'][:, 1:], first['targets'][:, :-1])
   assert 'segment_ids' not in first and (first['mask'] == 1).all()
   np.testing.assert_array_equal(first['positions'][3], np.arange(cfg.data.seq_len))
-  assert batches.get_state() == {}
-  batches.set_state({})
 
 
 # ----------------------------------------------------------------------------- order
@@ -209,33 +207,63 @@ def test_state_resumes_exactly(tmp_path, mesh, case):
   assert_same_batches(take(resumed, 3), want)
 
 
-def test_state_saves_through_grains_orbax_handler(tmp_path, mesh):
-  """The handler a checkpoint uses: one JSON file per process, restored into a new stream."""
-  import grain
+def _save_and_restore_position(tmp_path, batches, resumed):
+  """`batches`' position through the checkpoint handler (one JSON file per stream) into
+  `resumed`."""
   from etils import epath
-  cfg = docs_config(tmp_path, 'lines', seq_len=24, prefetch=2)
+  from jaxllm.checkpoint import StreamPositions, StreamPositionsRestore, StreamPositionsSave
+  directory = epath.Path(tmp_path / 'position')
+  directory.mkdir()
+  StreamPositions().save(directory, StreamPositionsSave(batches))
+  StreamPositions().restore(directory, StreamPositionsRestore(resumed))
+  return sorted(p.name for p in directory.iterdir())
+
+
+def test_position_saves_per_stream_and_restores(tmp_path, mesh):
+  cfg = docs_config(tmp_path, 'lines', seq_len=24, prefetch=2, streams=2)
   batches = make_batches(cfg, mesh)
   take(batches, 2)
-  handler = grain.checkpoint.CheckpointHandler()
-  handler.save(epath.Path(tmp_path), args=grain.checkpoint.CheckpointSave(batches))
-  want = take(batches, 2)
   resumed = make_batches(cfg, mesh)
-  handler.restore(epath.Path(tmp_path), args=grain.checkpoint.CheckpointRestore(resumed))
-  assert_same_batches(take(resumed, 2), want)
+  files = _save_and_restore_position(tmp_path, batches, resumed)
+  assert files == ['stream-0-of-2.json', 'stream-1-of-2.json']
+  assert_same_batches(take(resumed, 2), take(batches, 2))
 
 
-# ----------------------------------------------------------------------------- shares, splits
+def test_automatic_streams_follow_the_checkpoint(tmp_path, mesh):
+  """A run with data.streams=0 resuming a position read as 2 streams (say, by 2 processes)
+  reads on as 2 streams, exactly where they were."""
+  cfg = docs_config(tmp_path, 'lines', seq_len=24, streams=2)
+  batches = make_batches(cfg, mesh)
+  take(batches, 3)
+  cfg.data.streams = 0
+  resumed = make_batches(cfg, mesh)
+  assert resumed.streams == 1  # one process
+  _save_and_restore_position(tmp_path, batches, resumed)
+  assert resumed.streams == 2
+  assert_same_batches(take(resumed, 2), take(batches, 2))
 
-def test_process_shares_are_disjoint_and_cover_all_documents(tmp_path, mesh):
-  cfg = docs_config(tmp_path, 'jsonl', packing=False, seq_len=48)
+
+def test_another_fixed_stream_count_cannot_resume(tmp_path, mesh):
+  cfg = docs_config(tmp_path, 'lines', seq_len=24, streams=2)
+  batches = make_batches(cfg, mesh)
+  cfg.data.streams = 4
+  with pytest.raises(ConfigError, match=r'data.streams=2 .* this run has data.streams=4'):
+    _save_and_restore_position(tmp_path, batches, make_batches(cfg, mesh))
+
+
+# ----------------------------------------------------------------------------- streams, splits
+
+def test_streams_read_disjoint_documents_into_their_own_rows(tmp_path, mesh):
+  cfg = docs_config(tmp_path, 'jsonl', packing=False, seq_len=48, streams=2)
   train = split(cfg.data, 'train')
-  shares = [[s[i] for i in range(len(s))] for s in (process_share(train, p, 2) for p in (0, 1))]
+  shares = [[s[i] for i in range(len(s))] for s in (stream_share(train, k, 2) for k in (0, 1))]
   assert not set(shares[0]) & set(shares[1])
   assert sorted(shares[0] + shares[1]) == sorted(DOCS)
-  # A process's batches hold only its own documents (half the global batch of rows).
-  batch = next(make_batches(cfg, mesh, process_index=1, process_count=2))
-  assert batch['inputs'].shape[0] == cfg.train.global_batch // 2
-  assert set(row_documents(batch)) <= set(shares[1])
+  # Rows [0, B/2) of every batch come from stream 0's documents, the rest from stream 1's.
+  half = cfg.train.global_batch // 2
+  for batch in take(make_batches(cfg, mesh), 2):
+    rows = row_documents(batch)
+    assert set(rows[:half]) <= set(shares[0]) and set(rows[half:]) <= set(shares[1])
 
 
 def test_eval_fraction_holds_out_documents_stably(tmp_path, mesh):
@@ -403,7 +431,14 @@ def test_bad_input_names_the_field(tmp_path, mesh, case):
   assert '\n' not in str(error.value)
 
 
-def test_too_few_documents_for_the_processes(tmp_path, mesh):
-  cfg = docs_config(tmp_path, 'text', DOCS[:2])
-  with pytest.raises(ConfigError, match='data.path: 2 documents for 3 processes'):
-    make_batches(cfg, mesh, process_index=0, process_count=3)
+def test_too_few_documents_for_the_streams(tmp_path, mesh):
+  cfg = docs_config(tmp_path, 'text', DOCS[:2], streams=4)
+  with pytest.raises(ConfigError, match='data.path: 2 documents for 4 data streams'):
+    make_batches(cfg, mesh)
+
+
+def test_streams_must_divide_the_batch(tmp_path, mesh):
+  cfg = docs_config(tmp_path, 'lines', streams=3)
+  with pytest.raises(ConfigError, match='train.global_batch=8 rows do not split evenly into '
+                                        'data.streams=3'):
+    make_batches(cfg, mesh)

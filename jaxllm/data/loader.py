@@ -1,7 +1,11 @@
 """Batches for the train step and for evaluation, as a grain pipeline.
 
-    documents (this process's share) → shuffle (train.seed; a new order every epoch) → repeat
-      → tokenize → pack (or pad one document per row) → batch → prefetch → global arrays
+    documents (one stream's share) → shuffle (train.seed; a new order every epoch) → repeat
+      → tokenize → pack (or pad one document per row) → batch → prefetch
+    the streams this process reads → its rows → global arrays
+
+The data is read as `data.streams` independent streams, each filling its own block of rows
+of every batch (see `Streams`); a process reads the streams its devices' rows come from.
 
 Every array of a batch is [rows, seq_len]: 'inputs' and 'targets' (the next token), int32;
 'positions' of each input token in its document, int32; 'mask', float32, 1 where the target
@@ -24,7 +28,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxllm.config import ConfigError
-from jaxllm.data.sources import TokenRecords, process_share, split
+from jaxllm.data.sources import TokenRecords, split, stream_share
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.mesh import batch_sharding
 
@@ -71,16 +75,16 @@ def token_ids_fn(cfg: ConfigDict, documents) -> Callable[[object], np.ndarray]:
   return tokenizer.encode
 
 
-def local_batches(cfg: ConfigDict, split_name: str, rows: int, process_index: int,
-                  process_count: int) -> grain.IterDataset | None:
-  """This process's batches of `rows` rows of the 'train' or 'eval' split, endlessly
-  (None when there is no such split). Train documents are shuffled, eval ones are not."""
+def stream_batches(cfg: ConfigDict, split_name: str, rows: int, stream: int,
+                   streams: int) -> grain.IterDataset | None:
+  """Batches of `rows` rows from stream `stream` of `streams` of the 'train' or 'eval' split,
+  endlessly (None when there is no such split). Train documents are shuffled, eval ones not."""
   documents = split(cfg.data, split_name)
   if documents is None:
     return None
   field = 'data.path' if split_name == 'train' else (
       'data.eval_path' if cfg.data.eval_path else 'data.eval_fraction')
-  documents = process_share(documents, process_index, process_count, field)
+  documents = stream_share(documents, stream, streams, field)
   tokenize = token_ids_fn(cfg, documents)
   length = cfg.data.seq_len + 1  # inputs and targets are this shifted by one
 
@@ -105,7 +109,8 @@ def local_batches(cfg: ConfigDict, split_name: str, rows: int, process_index: in
 
 
 def synthetic_batch(cfg: ConfigDict, rows: int) -> Batch:
-  """One fixed batch of random tokens, one document per row (benchmarks: no input cost)."""
+  """A batch of random tokens from train.seed, one document per row (benchmarks: no input
+  cost)."""
   T = cfg.data.seq_len
   tokens = np.random.default_rng(cfg.train.seed).integers(
       0, cfg.model.vocab_size, (rows, T + 1), dtype=np.int32)
@@ -114,9 +119,20 @@ def synthetic_batch(cfg: ConfigDict, rows: int) -> Batch:
           'mask': np.ones((rows, T), np.float32)}
 
 
-def to_global(sharding, local: Batch) -> dict[str, jax.Array]:
-  """This process's rows -> global arrays laid out by `sharding`."""
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+def to_global(sharding, local: Batch, rows: int) -> dict[str, jax.Array]:
+  """This process's rows (its devices' rows, in global order) -> global arrays of `rows` rows
+  laid out by `sharding`."""
+  return {k: jax.make_array_from_process_local_data(sharding, v, (rows, *v.shape[1:]))
+          for k, v in local.items()}
+
+
+def process_rows(sharding, rows: int) -> dict[int, np.ndarray]:
+  """The global rows, ascending, that each process's devices hold of a batch of `rows` rows
+  laid out by `sharding`."""
+  held: dict[int, set] = {}
+  for device, index in sharding.devices_indices_map((rows, 1)).items():
+    held.setdefault(device.process_index, set()).update(range(rows)[index[0]])
+  return {p: np.array(sorted(r)) for p, r in held.items()}
 
 
 def _json_to_state(state):
@@ -128,84 +144,135 @@ def _json_to_state(state):
   return state
 
 
-def _release(slot: list) -> None:
-  """Closes the iterator in `slot` and lets it go: at exit this runs while the interpreter
-  is whole (grain's own clean-up fails during module teardown)."""
-  if slot:
-    slot.pop().close()
+def _release(slot: dict) -> None:
+  """Closes the iterators in `slot` and lets them go: at exit this runs while the
+  interpreter is whole (grain's own clean-up fails during module teardown)."""
+  while slot:
+    slot.popitem()[1].close()
 
 
-class Batches(grain.DatasetIterator):
-  """The endless stream of global batches; `get_state()` (JSON-serialisable) after k batches
-  and `set_state()` on a new stream from the same config resume at batch k + 1.
+class Streams:
+  """Global batches of `rows` rows of one split, read as `streams` independent streams:
+  stream s packs documents s, s+streams, … into rows [s·rows/streams, (s+1)·rows/streams) of
+  every batch. This process reads only the streams its devices' rows come from.
 
-  A grain DatasetIterator, so grain's Orbax handler (`grain.checkpoint.CheckpointSave`)
-  saves it, one JSON file per process.
+  So the batches depend on data.streams, not on how many processes read them, and
+  `get_state()` (JSON-serialisable) after k batches, given to `set_state()` of a new
+  Streams — on any number of processes — resumes at batch k + 1.
   """
 
-  def __init__(self, sharding, local=None, fixed: dict[str, jax.Array] | None = None):
-    super().__init__()  # no grain parents: the pipeline sits in a slot that can be let go
-    self._sharding, self._fixed = sharding, fixed
-    self._slot = [] if local is None else [iter(local)]
+  def __init__(self, cfg: ConfigDict, split_name: str, sharding, rows: int):
+    self._cfg, self._split, self._sharding, self.rows = cfg, split_name, sharding, rows
+    self._rows = process_rows(sharding, rows)
+    self._slot: dict[int, Iterator] = {}
     weakref.finalize(self, _release, self._slot)
+    # data.streams=0: a stream per distinct set of rows that processes hold (one per process,
+    # unless some hold the same rows, as under pipe across hosts).
+    self._open(cfg.data.streams or len({tuple(r) for r in self._rows.values()}))
+
+  def stream_ids(self, streams: int, process: int | None = None) -> list[int]:
+    """The streams `process` (default: this one) reads when there are `streams`."""
+    process = jax.process_index() if process is None else process
+    return sorted({int(r) // (self.rows // streams) for r in self._rows[process]})
+
+  def _open(self, streams: int) -> None:
+    if self.rows % streams:
+      what = 'train.global_batch' if self._split == 'train' else (
+          'train.global_batch / train.micro_batches (an eval batch)')
+      raise ConfigError(f'{what}={self.rows} rows do not split evenly into data.streams='
+                        f'{streams}; make data.streams a divisor of {self.rows}.')
+    self.streams = streams
+    per = self.rows // streams
+    self._datasets = {s: stream_batches(self._cfg, self._split, per, s, streams)
+                      for s in self.stream_ids(streams)}
+    # Where this process's rows sit in the rows of the streams it reads, laid end to end.
+    read = np.concatenate([np.arange(s * per, (s + 1) * per) for s in self._datasets])
+    self._pick = np.searchsorted(read, self._rows[jax.process_index()])
+    # Each stream's position is saved by the lowest-numbered process that reads it.
+    owner: dict[int, int] = {}
+    for p in sorted(self._rows):
+      for s in self.stream_ids(streams, p):
+        owner.setdefault(s, p)
+    self.owned = [s for s in self._datasets if owner[s] == jax.process_index()]
+    self.restart()
+
+  def restart(self) -> None:
+    """Back to the first batch."""
+    _release(self._slot)
+    self._slot.update({s: iter(d) for s, d in self._datasets.items()})
+
+  def __iter__(self):
+    return self
 
   def __next__(self) -> dict[str, jax.Array]:
-    if self._fixed is not None:
-      return self._fixed
-    return to_global(self._sharding, next(self._slot[0]))
+    parts = [next(it) for it in self._slot.values()]
+    local = {k: np.concatenate([p[k] for p in parts])[self._pick] for k in parts[0]}
+    return to_global(self._sharding, local, self.rows)
 
   def get_state(self) -> dict:
-    return self._slot[0].get_state() if self._slot else {}
+    return {'streams': self.streams,
+            'positions': {str(s): it.get_state() for s, it in self._slot.items()}}
 
   def set_state(self, state: dict) -> None:
-    if self._slot:
-      self._slot[0].set_state(_json_to_state(state))
+    """Moves to a saved position. `positions` needs only the streams this process reads."""
+    if state['streams'] != self.streams:
+      if self._cfg.data.streams:
+        raise ConfigError(
+            f'the checkpoint read the data as data.streams={state["streams"]} but this run has '
+            f'data.streams={self._cfg.data.streams}; set data.streams={state["streams"]} (or 0, '
+            'which follows the checkpoint) to resume the data where it was.')
+      self._open(state['streams'])
+    for s, it in self._slot.items():
+      it.set_state(_json_to_state(state['positions'][str(s)]))
 
   def start_prefetch(self) -> None:
-    if self._slot:
-      self._slot[0].start_prefetch()
+    for it in self._slot.values():
+      if hasattr(it, 'start_prefetch'):
+        it.start_prefetch()
 
   def close(self) -> None:
     _release(self._slot)
 
 
-def _process(process_index, process_count) -> tuple[int, int]:
-  return (jax.process_index() if process_index is None else process_index,
-          jax.process_count() if process_count is None else process_count)
+class FixedBatch:
+  """data.source='synthetic': the same global batch every step, and no position to save."""
+
+  def __init__(self, cfg: ConfigDict, sharding):
+    rows = cfg.train.global_batch
+    mine = process_rows(sharding, rows)[jax.process_index()]
+    local = {k: v[mine] for k, v in synthetic_batch(cfg, rows).items()}
+    self._batch = to_global(sharding, local, rows)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    return self._batch
 
 
-def make_batches(cfg: ConfigDict, mesh, process_index: int | None = None,
-                 process_count: int | None = None) -> Batches:
+def make_batches(cfg: ConfigDict, mesh) -> Streams | FixedBatch:
   """The train batches of `train.global_batch` rows. Bad input raises ConfigError here."""
-  process_index, process_count = _process(process_index, process_count)
-  rows = cfg.train.global_batch // process_count
   sharding = batch_sharding(mesh, cfg.sharding.rules, ndim=2)  # every array is [batch, seq]
   if cfg.data.source == 'synthetic':
-    return Batches(sharding, fixed=to_global(sharding, synthetic_batch(cfg, rows)))
+    return FixedBatch(cfg, sharding)
   if cfg.data.source != 'files':
     raise ConfigError(f"data.source={cfg.data.source!r} is unknown; use 'files' or 'synthetic'.")
-  return Batches(sharding, local_batches(cfg, 'train', rows, process_index, process_count))
+  return Streams(cfg, 'train', sharding, cfg.train.global_batch)
 
 
-def make_eval_batches(cfg: ConfigDict, mesh, process_index: int | None = None,
-                      process_count: int | None = None
-                      ) -> Callable[[], Iterator[dict[str, jax.Array]]] | None:
+def make_eval_batches(cfg: ConfigDict, mesh) -> Callable[[], Iterator[dict[str, jax.Array]]] | None:
   """None without an eval split; else a function whose every call iterates over the same
   `eval.batches` batches of global_batch / micro_batches rows (the split repeats if short)."""
-  if cfg.data.source != 'files':
-    return None
-  process_index, process_count = _process(process_index, process_count)
-  rows = cfg.train.global_batch // cfg.train.micro_batches // process_count
-  dataset = local_batches(cfg, 'eval', rows, process_index, process_count)
-  if dataset is None:
+  if cfg.data.source != 'files' or not (cfg.data.eval_path or cfg.data.eval_fraction):
     return None
   sharding = batch_sharding(mesh, cfg.sharding.rules, ndim=2)
+  stream = Streams(cfg, 'eval', sharding, cfg.train.global_batch // cfg.train.micro_batches)
+  stream.close()  # opened to check the split now; read afresh by each evaluation
 
   def eval_batches() -> Iterator[dict[str, jax.Array]]:
-    local = iter(dataset)
+    stream.restart()
     try:
-      for batch in itertools.islice(local, cfg.eval.batches):
-        yield to_global(sharding, batch)
+      yield from itertools.islice(stream, cfg.eval.batches)
     finally:
-      local.close()  # stops the read-ahead threads
+      stream.close()  # stops the read-ahead threads
   return eval_batches

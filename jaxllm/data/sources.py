@@ -1,5 +1,5 @@
 """Documents on disk: `data.path` resolved to files, a random-access reader per format,
-the train/eval split and each process's share of it.
+the train/eval split and each data stream's share of it.
 
 A reader is a sequence of documents over all its files, in file order: `str` texts, or
 int32 token ids for pre-tokenised ArrayRecord files.
@@ -257,10 +257,9 @@ def split(data_cfg: ConfigDict, name: str) -> Subset | None:
   return Subset(documents, np.sort(order[:held] if name == 'eval' else order[held:]))
 
 
-def process_share(documents: Subset, process_index: int, process_count: int,
-                  field: str = 'data.path') -> Subset:
-  """Documents [process_index::process_count]: each process reads only its own."""
-  if len(documents) < process_count:
-    raise ConfigError(f'{field}: {len(documents)} documents for {process_count} processes; '
-                      'every process needs at least one, so add documents.')
-  return Subset(documents.source, documents.indices[process_index::process_count])
+def stream_share(documents: Subset, stream: int, streams: int, field: str = 'data.path') -> Subset:
+  """Documents [stream::streams]: what one of the data streams reads."""
+  if len(documents) < streams:
+    raise ConfigError(f'{field}: {len(documents)} documents for {streams} data streams; every '
+                      'stream needs at least one, so add documents or lower data.streams.')
+  return Subset(documents.source, documents.indices[stream::streams])
