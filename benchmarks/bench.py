@@ -23,7 +23,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxllm import metrics
-from jaxllm.config import main_guard, parse_command_line
+from jaxllm.config import main_guard, parse_command_line, start_backends
 from jaxllm.mesh import sharding_context
 from jaxllm.train import setup
 
@@ -61,8 +61,7 @@ def time_steps(run, steps: int, warmup: int):
 
 def bench(argv: list[str]) -> None:
   cfg, _ = parse_command_line(argv)
-  if cfg.cpu_devices:
-    jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)  # before the backend starts
+  start_backends(cfg)
   run = setup(cfg)
   cfg, mesh = run.cfg, run.mesh
   step_s, compile_s, _, step_metrics = time_steps(run, _STEPS.value, _WARMUP.value)

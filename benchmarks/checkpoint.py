@@ -14,7 +14,7 @@ import time
 import jax
 from absl import flags
 
-from jaxllm.config import main_guard, parse_command_line
+from jaxllm.config import main_guard, parse_command_line, start_backends
 from jaxllm.mesh import sharding_context
 from jaxllm.train import setup
 
@@ -51,8 +51,7 @@ def main(argv):
   if not any(a.startswith('--config') and not a.startswith('--config.') for a in argv[1:]):
     argv = [argv[0], '--config', 'configs/comparison.py', *argv[1:]]
   cfg, _ = parse_command_line(argv)
-  if cfg.cpu_devices:
-    jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
+  start_backends(cfg)
   results = {mode: time_saves(cfg, mode == 'async', _SAVES.value) for mode in ('sync', 'async')}
   size = results['sync'][2]
   print(f'state {size / 2**20:,.0f} MiB (params + optimizer) on {jax.device_count()} × '

@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from jaxllm.config import load_config, resolve_mesh
+from jaxllm.config import load_config, resolve_mesh, start_backends
 
 _args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _args.add_argument('--config', default='configs/tiny.py')
@@ -25,8 +25,7 @@ _args.add_argument('--steps', type=int, default=20, help='Timed train steps.')
 _args.add_argument('--bpe-vocab', type=int, default=4096)
 ARGS = _args.parse_args()
 CFG = load_config(ARGS.config)
-if CFG.cpu_devices:
-  jax.config.update('jax_num_cpu_devices', CFG.cpu_devices)  # before the backend starts
+start_backends(CFG)
 
 from bench import time_steps  # noqa: E402
 from jaxllm.data import make_batches  # noqa: E402

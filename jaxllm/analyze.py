@@ -21,7 +21,8 @@ from ml_collections import ConfigDict
 
 from jaxllm import hlo, metrics
 from jaxllm.checkpoint import restore_target
-from jaxllm.config import ConfigError, main_guard, parse_command_line, resolve_mesh, validate
+from jaxllm.config import (ConfigError, main_guard, parse_command_line, resolve_mesh,
+                           start_backends, validate)
 from jaxllm.hardware import PROFILES, Hardware, axes_across_nodes, hardware_profile
 from jaxllm.mesh import batch_sharding, make_mesh, sharding_context, spec_axes
 from jaxllm.model import available_attention
@@ -304,9 +305,8 @@ def parse_and_place(argv: list[str]):
     raise ConfigError(f'--devices={DEVICES.value} must be positive.')
   if DEVICES.value:  # must happen before JAX starts its backends
     jax.config.update('jax_platforms', 'cpu')
-    jax.config.update('jax_num_cpu_devices', DEVICES.value)
-  elif cfg.cpu_devices:
-    jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
+    cfg.cpu_devices = DEVICES.value
+  start_backends(cfg)
   return cfg, workdir
 
 

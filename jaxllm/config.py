@@ -17,7 +17,7 @@ from absl import flags
 from ml_collections import ConfigDict, config_flags
 
 MESH_AXES = ('data', 'fsdp', 'pipe', 'tensor')
-REMAT_POLICIES = ('none', 'full', 'dots')
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_except_mlp')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 DTYPES = ('float32', 'bfloat16')
 DATA_SOURCES = ('files', 'synthetic')
@@ -51,6 +51,9 @@ def default_config() -> ConfigDict:
   c = ConfigDict()
   # Simulated devices to create when JAX runs on the CPU (0: JAX's default of one).
   c.cpu_devices = 0
+  # XLA flags for the run (before any in the XLA_FLAGS environment variable, which win). The
+  # latency-hiding scheduler lets GPU collectives overlap compute; CPUs ignore GPU flags.
+  c.xla_flags = '--xla_gpu_enable_latency_hiding_scheduler=true'
 
   c.model = ConfigDict(dict(
       vocab_size=320,
@@ -70,7 +73,9 @@ def default_config() -> ConfigDict:
       dtype='float32',        # compute dtype of activations and matmuls
       param_dtype='float32',  # storage dtype of parameters and optimizer state
       attention='xla',        # 'xla' everywhere, 'cudnn' fused flash attention on NVIDIA GPUs
-      remat='none',           # 'none', 'full', or 'dots' (keep matmul outputs)
+      # 'none', 'full' (keep nothing), 'dots' (keep weight-matmul outputs) or
+      # 'dots_except_mlp' (keep q, k, v and attention; recompute the MLP)
+      remat='none',
   ))
 
   # -1 means "whatever is left of the devices"; at most one axis may say so.
@@ -388,6 +393,16 @@ def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(config_path))[0])
   return cfg, workdir
+
+
+def start_backends(cfg: ConfigDict) -> None:
+  """Applies what JAX reads once, when its backends start: cpu_devices and xla_flags. Call it
+  before anything runs on a device."""
+  import jax
+  if cfg.cpu_devices:
+    jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
+  if cfg.xla_flags:
+    os.environ['XLA_FLAGS'] = f"{cfg.xla_flags} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 
 def main_guard(main):

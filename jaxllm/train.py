@@ -22,7 +22,8 @@ from ml_collections import ConfigDict
 
 from jaxllm import distributed, hf, metrics
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
-from jaxllm.config import TrainingError, main_guard, parse_command_line, resolve_mesh, validate
+from jaxllm.config import (TrainingError, main_guard, parse_command_line, resolve_mesh,
+                           start_backends, validate)
 from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.mesh import host_split, hosts, make_mesh, sharding_context
 from jaxllm.model import available_attention
@@ -387,9 +388,7 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
 
 def main(argv: list[str]) -> None:
   cfg, workdir = parse_command_line(argv)
-  if cfg.cpu_devices:
-    # Must happen before JAX starts its backends; only the CPU backend reads it.
-    jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
+  start_backends(cfg)
   with distributed.session(cfg.distributed):
     train(cfg, workdir)
 

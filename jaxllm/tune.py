@@ -16,7 +16,7 @@ from absl import flags
 from ml_collections import ConfigDict
 
 from jaxllm import analyze
-from jaxllm.config import MESH_AXES, ConfigError, main_guard, validate
+from jaxllm.config import MESH_AXES, REMAT_POLICIES, ConfigError, main_guard, validate
 from jaxllm.hardware import Hardware, hardware_profile
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.optim import make_optimizer
@@ -137,8 +137,8 @@ def main(argv: list[str]) -> None:
     raise ConfigError(f'--micro-batches={",".join(_MICRO_BATCHES.value)} must be integers, '
                       'e.g. 1,2,4.') from None
   for remat in remats:
-    if remat not in ('none', 'full', 'dots'):
-      raise ConfigError(f'--remat={remat!r} is unknown; use none, full or dots.')
+    if remat not in REMAT_POLICIES:
+      raise ConfigError(f'--remat={remat!r} is unknown; use {", ".join(REMAT_POLICIES)}.')
   rows, skipped = rank(cfg, hardware, remats, micro_batches)
   if not rows:
     raise ConfigError(f'no mesh of {jax.device_count()} devices fits {hardware.name} '

@@ -117,3 +117,13 @@ def test_missing_config_file_is_one_readable_line():
   assert result.stderr.strip().splitlines() == [
       'error: --config configs/nope.py: no such file; pass a file from configs/, '
       'e.g. configs/tiny.py.']
+
+
+def test_config_xla_flags_come_before_the_environments(monkeypatch):
+  """XLA reads its flags in order and the last one given wins: the environment's override."""
+  from jaxllm.config import default_config, start_backends
+  monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_enable_latency_hiding_scheduler=false')
+  cfg = default_config()
+  start_backends(cfg)
+  assert os.environ['XLA_FLAGS'] == ('--xla_gpu_enable_latency_hiding_scheduler=true '
+                                     '--xla_gpu_enable_latency_hiding_scheduler=false')

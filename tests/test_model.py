@@ -100,7 +100,7 @@ def test_scanned_stack_equals_layer_by_layer_loop(one_device):
   np.testing.assert_allclose(got, model.logits(x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('policy', ['full', 'dots'])
+@pytest.mark.parametrize('policy', ['full', 'dots', 'dots_except_mlp'])
 def test_remat_policies_keep_loss_and_gradients(policy, one_device):
   model, tokens = _model_and_tokens()
   batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'mask': jnp.ones(tokens.shape)}
@@ -188,3 +188,17 @@ def test_no_token_attends_across_documents(one_device):
   # The second document alone, at positions 0.., gives the same logits as inside the row.
   alone = model(tokens[:, 6:])
   np.testing.assert_allclose(before[:, 6:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_dots_except_mlp_keeps_less_than_dots(one_device):
+  """The policy drops the MLP's activations: the compiled step needs less scratch memory."""
+  _, tokens = _model_and_tokens()
+  batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'mask': jnp.ones(tokens.shape)}
+
+  def scratch_bytes(policy):
+    model, _ = _model_and_tokens(remat=policy, mlp_dim=1024)
+    graphdef, params = nnx.split(model)
+    grad = jax.jit(jax.grad(lambda p: loss_terms(graphdef, p, batch)[0]))
+    return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+  assert scratch_bytes('dots_except_mlp') < 0.75 * scratch_bytes('dots')

@@ -1,0 +1,127 @@
+"""benchmarks/gpu.py and its plain-JAX baseline (benchmarks/plain_llama.py), on the CPU."""
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_params_close, small_config
+from jaxllm.config import load_config
+from jaxllm.mesh import sharding_context
+from jaxllm.model import REMAT, rope_frequencies
+from jaxllm.optim import make_optimizer
+from jaxllm.train import setup
+
+
+def load_benchmark(name):
+  """benchmarks/<name>.py as a module. Not by putting benchmarks/ on sys.path: its data.py
+  and checkpoint.py would shadow other modules of those names."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'benchmarks',
+                                                                   f'{name}.py'))
+  module = sys.modules[name] = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+plain_llama = load_benchmark('plain_llama')  # first: gpu.py imports it by this name
+gpu = load_benchmark('gpu')
+
+ONE_DEVICE = ['--config.cpu_devices=1', '--config.mesh.data=1', '--config.mesh.fsdp=1',
+              '--config.mesh.tensor=1']
+
+
+def run_gpu_bench(*args):
+  """benchmarks/gpu.py run as a script from the repository root, as a user runs it."""
+  return subprocess.run([sys.executable, 'benchmarks/gpu.py', '--config', 'configs/tiny.py',
+                         *ONE_DEVICE, *args], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+
+
+@pytest.mark.parametrize('tied', [False, True])
+def test_plain_step_equals_jaxllm_step(tied):
+  """From the same weights and batch, one plain step gives jaxllm's loss and parameters."""
+  cfg = small_config()
+  cfg.model.tie_embeddings = tied
+  # Adam's first step is g/(|g| + eps): an element with |g| near eps turns rounding noise
+  # into a visible change, so eps is raised above the gradients' noise.
+  cfg.optim.update(lr=1e-3, eps=1e-6)
+  run = setup(cfg, devices=jax.devices()[:1])
+  params = plain_llama.params_from_jaxllm(run.state.params)  # before the step donates them
+  batch = next(run.batches)
+  with sharding_context(run.mesh, run.cfg.sharding.rules):
+    state, want = run.train_step(run.state, batch)
+
+  tx = make_optimizer(cfg.optim, cfg.train.steps)
+  step = jax.jit(plain_llama.make_train_step(run.cfg.model, tx))
+  new_params, _, got = step(params, tx.init(params), batch)
+
+  np.testing.assert_allclose(got['loss'], want['loss'], rtol=1e-5)
+  np.testing.assert_allclose(got['grad_norm'], want['grad_norm'], rtol=1e-5)
+  want_params = plain_llama.params_from_jaxllm(state.params)
+  assert jax.tree.structure(new_params) == jax.tree.structure(want_params)
+  assert_params_close(jax.device_get(new_params), want_params)
+
+
+def test_plain_rope_and_remat_policies_match_jaxllm():
+  """Llama-3 frequency scaling (off in the small config) and the remat names agree."""
+  m = load_config(os.path.join(REPO, 'configs', 'llama3_1b.py')).model
+  np.testing.assert_allclose(plain_llama.rope_inv_freq(m), rope_frequencies(m), rtol=1e-6)
+  assert set(plain_llama.REMAT) == set(REMAT)
+
+
+def test_gpu_bench_with_plain_on_cpu():
+  out = run_gpu_bench('--steps', '2', '--warmup', '1', '--plain')
+  assert out.returncode == 0, out.stderr
+  text = out.stdout
+  assert re.search(r'^jaxllm +tokens/s/device [\d,]+ ', text, re.M), text
+  assert re.search(r'^plain +tokens/s/device [\d,]+ ', text, re.M), text
+  assert 'MFU n/a' in text and 'MFU causal n/a' in text  # a CPU has no known peak
+  assert re.search(r'^ratio +jaxllm/plain throughput \d+\.\d+$', text, re.M), text
+  assert re.search(r'^loss .*: same$', text, re.M), text
+  assert 'versions  jax ' in text and 'command   python benchmarks/gpu.py' in text
+
+
+def test_gpu_bench_largest_remat_fits_deeper():
+  # 0.1 GB: on jax 0.10.2's CPU compiler one tiny layer needs ~53 MB whatever the policy,
+  # two without remat ~118 MB, four with remat 'full' ~69 MB. (Two policies and four layers
+  # at most keep the compiles few; test_layer_search covers the search itself.)
+  out = run_gpu_bench('--largest', '--device-memory-gb', '0.1', '--max-layers', '4',
+                      '--largest-remat', 'none,full', '--steps', '0')
+  assert out.returncode == 0, out.stderr
+  layers = {m[1]: int(m[2]) for m in re.finditer(r'^  (\w+) +(\d+) +[\d.,]+M ', out.stdout, re.M)}
+  assert set(layers) == {'none', 'full'}, out.stdout
+  assert layers['full'] >= layers['none'] >= 1, out.stdout
+  assert layers['full'] > layers['none'], out.stdout
+
+
+@pytest.mark.parametrize('limit, cap, want', [
+    (0, 512, 0), (1, 512, 1), (37, 512, 37), (511, 512, 511), (600, 512, 512), (5, 6, 5),
+    (9, 6, 6)])
+def test_layer_search(limit, cap, want):
+  """Doubling then bisection finds the largest fitting count in few tries."""
+  tried = []
+
+  def peak_of(layers):
+    tried.append(layers)
+    return layers  # memory grows with the layers
+
+  assert gpu.search_layers(peak_of, lambda peak: peak <= limit, cap) == (want, want or None)
+  assert len(tried) <= 2 * math.ceil(math.log2(cap)) + 1, tried
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--plain', '--config.cpu_devices=2', '--config.mesh.fsdp=2'], '--plain times one device'),
+    (['--largest', '--steps', '0'], 'give it with --device-memory-gb'),
+    (['--steps', '0'], '--steps=0 must be at least 1'),
+])
+def test_gpu_bench_bad_input_is_one_line(args, message):
+  out = run_gpu_bench(*args)
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip().startswith('error: ') and message in out.stderr, out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr
