@@ -16,16 +16,14 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 
-import jax
 from absl import flags
 from ml_collections import config_flags
 
 from jaxllm import metrics
 from jaxllm.config import main_guard, parse_command_line, start_backends
-from jaxllm.mesh import sharding_context
 from jaxllm.train import setup
+from timing import time_steps  # benchmarks/ is on the path when this runs as a script
 
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps run after compiling.')
@@ -37,26 +35,6 @@ CASES = {  # name -> overrides; every case names the whole mesh, so any base con
     'fsdp=8': dict(cpu_devices=8, data=1, fsdp=8, tensor=1),
     'fsdp=4 tensor=2': dict(cpu_devices=8, data=1, fsdp=4, tensor=2),
 }
-
-
-def time_steps(run, steps: int, warmup: int):
-  """Compiles `run`'s step ahead of time, runs `warmup` steps, then times `steps` steps.
-
-  Returns seconds per step, compile seconds, the compiled step and the last step's metrics.
-  """
-  state, batch = run.state, next(run.batches)
-  start = time.perf_counter()
-  with sharding_context(run.mesh, run.cfg.sharding.rules):
-    compiled = run.train_step.lower(state, batch).compile()
-  compile_s = time.perf_counter() - start
-  for _ in range(warmup):
-    state, _ = compiled(state, next(run.batches))
-  jax.block_until_ready(state)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, step_metrics = compiled(state, next(run.batches))
-  jax.block_until_ready((state, step_metrics))  # the only host sync of the timed steps
-  return (time.perf_counter() - start) / steps, compile_s, compiled, step_metrics
 
 
 def bench(argv: list[str]) -> None:
@@ -78,7 +56,7 @@ def bench(argv: list[str]) -> None:
   peak = metrics.peak_flops(device, cfg.train.peak_flops)
   if peak:
     line.append(f'mfu {100 * tokens_per_s * flop_per_token / (mesh.size * peak):.1f}%')
-  line += [f'compile {compile_s:.1f}s', f'loss {float(step_metrics["loss"]):.3f}']
+  line += [f'compile {compile_s:.1f}s', f'first-step loss {float(step_metrics["loss"]):.3f}']
   print('   '.join(line), flush=True)
 
 

@@ -27,7 +27,7 @@ ARGS = _args.parse_args()
 CFG = load_config(ARGS.config)
 start_backends(CFG)
 
-from bench import time_steps  # noqa: E402
+from timing import time_steps  # noqa: E402
 from jaxllm.data import make_batches  # noqa: E402
 from jaxllm.data.pretokenize import pretokenize  # noqa: E402
 from jaxllm.data.sources import open_documents  # noqa: E402

@@ -30,10 +30,10 @@ from absl import flags
 from ml_collections import ConfigDict
 
 import plain_llama  # benchmarks/ is on the path when this runs as a script
+from timing import time_steps, timed
 from jaxllm import analyze, metrics
 from jaxllm.config import (ConfigError, TrainingError, main_guard, parse_command_line,
                            resolve_mesh, start_backends, validate)
-from jaxllm.mesh import sharding_context
 from jaxllm.model import REMAT, available_attention
 from jaxllm.optim import make_optimizer
 from jaxllm.train import setup
@@ -65,23 +65,6 @@ def benchmark_config(cfg: ConfigDict, keep_data: bool) -> ConfigDict:
   return cfg
 
 
-def timed(step, state, batches, steps: int, warmup: int):
-  """Calls the compiled `step(state, batch) -> (state, metrics)` `warmup` times, then `steps`
-  times with no host sync until the end. Returns seconds per timed step and the first step's
-  metrics."""
-  first = None
-  for _ in range(warmup):
-    state, step_metrics = step(state, next(batches))
-    first = step_metrics if first is None else first
-  jax.block_until_ready(state)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, step_metrics = step(state, next(batches))
-    first = step_metrics if first is None else first
-  jax.block_until_ready((state, step_metrics))  # the only host sync of the timed steps
-  return (time.perf_counter() - start) / steps, jax.device_get(first)
-
-
 def compiled_peak(compiled) -> int:
   """Peak bytes of a compiled program by the compiler's own analysis (as analyze.memory)."""
   m = compiled.memory_analysis()
@@ -95,12 +78,7 @@ def device_peak_bytes(device) -> int | None:
 
 
 def time_jaxllm(run, first_batch, steps: int, warmup: int) -> dict:
-  start = time.perf_counter()
-  with sharding_context(run.mesh, run.cfg.sharding.rules):
-    compiled = run.train_step.lower(run.state, first_batch).compile()
-  compile_s = time.perf_counter() - start
-  batches = itertools.chain([first_batch], run.batches)
-  step_s, first = timed(compiled, run.state, batches, steps, warmup)  # donates run.state
+  step_s, compile_s, compiled, first = time_steps(run, steps, warmup, first_batch)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
           'compiled_peak': compiled_peak(compiled)}
 

@@ -15,7 +15,7 @@ import jax
 
 jax.config.update('jax_num_cpu_devices', 8)
 
-from bench import time_steps  # noqa: E402
+from timing import time_steps  # noqa: E402
 from jaxllm import hlo  # noqa: E402
 from jaxllm.analyze import compile_step, expected_bytes  # noqa: E402
 from jaxllm.config import load_config  # noqa: E402

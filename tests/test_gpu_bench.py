@@ -29,7 +29,8 @@ def load_benchmark(name):
   return module
 
 
-plain_llama = load_benchmark('plain_llama')  # first: gpu.py imports it by this name
+plain_llama = load_benchmark('plain_llama')  # first: gpu.py imports these by name
+load_benchmark('timing')
 gpu = load_benchmark('gpu')
 
 ONE_DEVICE = ['--config.cpu_devices=1', '--config.mesh.data=1', '--config.mesh.fsdp=1',

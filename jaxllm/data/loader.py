@@ -75,21 +75,13 @@ def token_ids_fn(cfg: ConfigDict, documents) -> Callable[[object], np.ndarray]:
   return tokenizer.encode
 
 
-def stream_batches(cfg: ConfigDict, split_name: str, rows: int, stream: int,
-                   streams: int) -> grain.IterDataset | None:
-  """Batches of `rows` rows from stream `stream` of `streams` of the 'train' or 'eval' split,
-  endlessly (None when there is no such split). Train documents are shuffled, eval ones not."""
-  documents = split(cfg.data, split_name)
-  if documents is None:
-    return None
-  field = 'data.path' if split_name == 'train' else (
-      'data.eval_path' if cfg.data.eval_path else 'data.eval_fraction')
-  documents = stream_share(documents, stream, streams, field)
-  tokenize = token_ids_fn(cfg, documents)
+def stream_batches(cfg: ConfigDict, documents, tokenize: Callable[[object], np.ndarray],
+                   rows: int, train: bool) -> grain.IterDataset:
+  """Batches of `rows` rows of one stream's `documents`, endlessly; shuffled for training."""
   length = cfg.data.seq_len + 1  # inputs and targets are this shifted by one
 
   docs = grain.MapDataset.source(documents)
-  if split_name == 'train':
+  if train:
     if not 0 <= cfg.train.seed < 2**32:
       raise ConfigError(f'train.seed={cfg.train.seed} must be in [0, 2**32) to shuffle the data.')
     docs = docs.shuffle(seed=cfg.train.seed)  # shuffled indices past the end: a new epoch order
@@ -102,7 +94,7 @@ def stream_batches(cfg: ConfigDict, split_name: str, rows: int, stream: int,
     packed = docs.map(lambda ids: pad_document(ids, length)).to_iter_dataset(READ_OPTIONS)
   batches = packed.batch(rows, drop_remainder=True).map(
       functools.partial(to_example, packed=cfg.data.packing))
-  if split_name == 'train' and cfg.data.prefetch:
+  if train and cfg.data.prefetch:
     batches = grain.experimental.ThreadPrefetchIterDataset(
         batches, prefetch_buffer_size=cfg.data.prefetch)
   return batches
@@ -163,6 +155,8 @@ class Streams:
 
   def __init__(self, cfg: ConfigDict, split_name: str, sharding, rows: int):
     self._cfg, self._split, self._sharding, self.rows = cfg, split_name, sharding, rows
+    self._documents = split(cfg.data, split_name)  # opened once, shared by the streams
+    self._tokenize = token_ids_fn(cfg, self._documents)
     self._rows = process_rows(sharding, rows)
     self._slot: dict[int, Iterator] = {}
     weakref.finalize(self, _release, self._slot)
@@ -183,8 +177,12 @@ class Streams:
                         f'{streams}; make data.streams a divisor of {self.rows}.')
     self.streams = streams
     per = self.rows // streams
-    self._datasets = {s: stream_batches(self._cfg, self._split, per, s, streams)
-                      for s in self.stream_ids(streams)}
+    field = 'data.path' if self._split == 'train' else (
+        'data.eval_path' if self._cfg.data.eval_path else 'data.eval_fraction')
+    self._datasets = {
+        s: stream_batches(self._cfg, stream_share(self._documents, s, streams, field),
+                          self._tokenize, per, train=self._split == 'train')
+        for s in self.stream_ids(streams)}
     # Where this process's rows sit in the rows of the streams it reads, laid end to end.
     read = np.concatenate([np.arange(s * per, (s + 1) * per) for s in self._datasets])
     self._pick = np.searchsorted(read, self._rows[jax.process_index()])

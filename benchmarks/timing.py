@@ -1,0 +1,41 @@
+"""Timing a compiled train step: warm-up, then timed steps with one host sync at the end."""
+
+import itertools
+import time
+
+import jax
+
+from jaxllm.mesh import sharding_context
+
+
+def timed(step, state, batches, steps: int, warmup: int):
+  """Calls the compiled `step(state, batch) -> (state, metrics)` `warmup` times, then `steps`
+  times with no host sync until the end. Returns seconds per timed step and the first step's
+  metrics (on the host)."""
+  first = None
+  for _ in range(warmup):
+    state, step_metrics = step(state, next(batches))
+    first = step_metrics if first is None else first
+  jax.block_until_ready(state)
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, step_metrics = step(state, next(batches))
+    first = step_metrics if first is None else first
+  jax.block_until_ready((state, step_metrics))  # the only host sync of the timed steps
+  return (time.perf_counter() - start) / steps, jax.device_get(first)
+
+
+def time_steps(run, steps: int, warmup: int, first_batch=None):
+  """Compiles `run`'s step ahead of time (as `jaxllm.train` does) on its first batch (default:
+  the next of `run.batches`), runs `warmup` steps, then times `steps` steps.
+
+  Returns seconds per step, compile seconds, the compiled step and the first step's metrics.
+  """
+  first_batch = next(run.batches) if first_batch is None else first_batch
+  start = time.perf_counter()
+  with sharding_context(run.mesh, run.cfg.sharding.rules):
+    compiled = run.train_step.lower(run.state, first_batch).compile()
+  compile_s = time.perf_counter() - start
+  batches = itertools.chain([first_batch], run.batches)
+  step_s, first = timed(compiled, run.state, batches, steps, warmup)  # donates run.state
+  return step_s, compile_s, compiled, first
