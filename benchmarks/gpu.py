@@ -65,13 +65,6 @@ def benchmark_config(cfg: ConfigDict, keep_data: bool) -> ConfigDict:
   return cfg
 
 
-def compiled_peak(compiled) -> int:
-  """Peak bytes of a compiled program by the compiler's own analysis (as analyze.memory)."""
-  m = compiled.memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
-
-
 def device_peak_bytes(device) -> int | None:
   stats = device.memory_stats()  # None on a CPU
   return stats.get('peak_bytes_in_use') if stats else None
@@ -80,7 +73,7 @@ def device_peak_bytes(device) -> int | None:
 def time_jaxllm(run, first_batch, steps: int, warmup: int) -> dict:
   step_s, compile_s, compiled, first = time_steps(run, steps, warmup, first_batch)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': compiled_peak(compiled)}
+          'compiled_peak': analyze.peak_bytes(compiled)}
 
 
 def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> dict:
@@ -101,7 +94,7 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
   batches = itertools.chain([first_batch], run.batches)
   step_s, first = timed(state_step, (params, opt_state), batches, steps, warmup)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': compiled_peak(compiled)}
+          'compiled_peak': analyze.peak_bytes(compiled)}
 
 
 def search_layers(peak_of, fits, cap: int) -> tuple[int, int | None]:
@@ -171,7 +164,7 @@ def versions() -> str:
 
 
 def size_text(n) -> str:
-  return 'n/a' if n is None else f'{n / 2**30:,.2f} GiB' if n >= 2**28 else f'{n / 2**20:,.1f} MiB'
+  return 'n/a' if n is None else analyze.size_text(n)
 
 
 def config_lines(cfg: ConfigDict, mesh_shape: dict[str, int]) -> list[str]:

@@ -178,14 +178,20 @@ def collective_table(c: Compiled, hardware: Hardware) -> tuple[list[dict], list[
   return rows, totals
 
 
+def peak_bytes(executable: jax.stages.Compiled) -> int:
+  """A compiled program's peak bytes per device by the compiler's own analysis: arguments and
+  outputs (donated ones once) plus temporaries."""
+  stats = executable.memory_analysis()
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
 def memory(c: Compiled) -> dict[str, float]:
   """Per-device bytes: state from its shardings, the rest from the compiler's analysis."""
-  stats = c.executable.memory_analysis()
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
   return {'params': c.state_bytes['params'], 'optimizer': c.state_bytes['optimizer'],
           'gradients': c.state_bytes['params'],  # as the params; held among the temporaries
-          'temporaries': stats.temp_size_in_bytes, 'peak': peak}
+          'temporaries': c.executable.memory_analysis().temp_size_in_bytes,
+          'peak': peak_bytes(c.executable)}
 
 
 def predict(c: Compiled, collectives: list[dict], flops_per_device: float,
