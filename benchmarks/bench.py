@@ -21,7 +21,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxllm import metrics
-from jaxllm.config import main_guard, parse_command_line, start_backends
+from jaxllm.backends import start_backends
+from jaxllm.config import main_guard, parse_command_line
 from jaxllm.train import setup
 from timing import time_steps  # benchmarks/ is on the path when this runs as a script
 

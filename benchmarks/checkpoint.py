@@ -14,7 +14,8 @@ import time
 import jax
 from absl import flags
 
-from jaxllm.config import main_guard, parse_command_line, start_backends
+from jaxllm.backends import start_backends
+from jaxllm.config import main_guard, parse_command_line
 from jaxllm.mesh import sharding_context
 from jaxllm.train import setup
 

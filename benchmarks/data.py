@@ -16,7 +16,8 @@ import time
 
 import jax
 
-from jaxllm.config import load_config, resolve_mesh, start_backends
+from jaxllm.backends import start_backends
+from jaxllm.config import load_config, resolve_mesh
 
 _args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _args.add_argument('--config', default='configs/tiny.py')

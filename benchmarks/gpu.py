@@ -32,8 +32,9 @@ from ml_collections import ConfigDict
 import plain_llama  # benchmarks/ is on the path when this runs as a script
 from timing import time_steps, timed
 from jaxllm import analyze, metrics
+from jaxllm.backends import start_backends
 from jaxllm.config import (ConfigError, TrainingError, main_guard, parse_command_line,
-                           resolve_mesh, start_backends, validate)
+                           resolve_mesh, validate)
 from jaxllm.model import REMAT, available_attention
 from jaxllm.optim import make_optimizer
 from jaxllm.train import setup
@@ -285,7 +286,7 @@ def main(argv: list[str]) -> None:
   else:  # --largest alone: nothing to allocate, but the config is checked all the same
     run, mesh_shape, device = None, resolve_mesh(cfg.mesh, jax.device_count()), jax.devices()[0]
     validate(cfg, mesh_shape)
-    cfg.model.attention = available_attention(cfg.model)
+    cfg.model.attention = available_attention(cfg.model, device.platform)
   platform = '; '.join(device.client.platform_version.splitlines())  # e.g. the CUDA version
   lines = [
       f'command   {shlex.join(["python", *argv])}',

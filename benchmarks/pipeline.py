@@ -13,6 +13,7 @@ import os
 
 import jax
 
+jax.config.update('jax_platforms', 'cpu')  # a CPU benchmark, on any machine
 jax.config.update('jax_num_cpu_devices', 8)
 
 from timing import time_steps  # noqa: E402
@@ -51,7 +52,8 @@ def main():
     run = setup(cfg)
     step_time, _, compiled, _ = time_steps(run, args.steps, warmup=2)
     baseline = baseline or step_time
-    found = hlo.collectives(compiled.as_text(), dict(run.mesh.shape))
+    found = hlo.collectives(compiled.as_text(), dict(run.mesh.shape),
+                            cpu=run.mesh.devices.flat[0].platform == 'cpu')
     pipe_bytes = sum(c.bytes for c in found if c.axes == ('pipe',))
     other_bytes = sum(c.bytes for c in found if 'pipe' in c.axes and c.axes != ('pipe',))
     line = f'{name:22} {"pipe=%d fsdp=%d" % (stages, fsdp):15} '

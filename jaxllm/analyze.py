@@ -1,18 +1,24 @@
 """`python -m jaxllm.analyze --config configs/X.py [--devices N] [--hardware h100-nvlink]`
 
-Compiles the train step ahead of time from shapes alone (nothing is allocated, so a 70B
-config can be analysed with N simulated CPU devices) and reports, per device: memory by kind
-and whether it fits; model FLOPs beside the compiled program's; every collective grouped by
-the mesh axes it runs over, with the analytic bytes beside the compiled; the pipeline bubble;
-and a predicted step time and MFU on a hardware profile.
+Compiles the train step ahead of time from shapes alone, nothing allocated, and reports per
+device: memory by kind and whether it fits what a process may use of the device; model FLOPs
+beside the compiled program's; whether attention runs as a fused kernel; every collective
+grouped by the mesh axes it runs over, with its element type and the analytic bytes beside
+the compiled; the largest arrays; the pipeline bubble; and a predicted step time and MFU.
+
+The program read is the one the profile's GPU would run: XLA's GPU compiler (in JAX's CUDA
+plugin) compiles for N GPUs on a machine that has none (`jaxllm.backends.gpu_devices`).
+`--compiler=cpu` reads the CPU compiler's program on N simulated CPU devices instead.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,22 +27,30 @@ from ml_collections import ConfigDict
 
 from jaxllm import hlo, metrics
 from jaxllm.checkpoint import restore_target
-from jaxllm.config import (ConfigError, main_guard, parse_command_line, resolve_mesh,
-                           start_backends, validate)
-from jaxllm.hardware import PROFILES, Hardware, axes_across_nodes, hardware_profile
+from jaxllm.backends import gpu_devices, is_compile_only, lowering_for, start_backends
+from jaxllm.config import (MESH_AXES, ConfigError, main_guard, parse_command_line,
+                           resolve_mesh, validate)
+from jaxllm.hardware import (PROFILES, Hardware, axes_across_nodes, hardware_profile,
+                             usable_memory)
 from jaxllm.mesh import batch_sharding, make_mesh, sharding_context, spec_axes
 from jaxllm.model import available_attention
 from jaxllm.optim import lr_schedule, make_optimizer
 from jaxllm.pipeline import PipelineSpec, pipeline_spec
 from jaxllm.step import make_train_step, state_shapes
 
-DEVICES = flags.DEFINE_integer('devices', 0, 'Analyse for this many devices, simulated on the '
-                                'CPU (default: the devices present, or config.cpu_devices).')
+DEVICES = flags.DEFINE_integer(
+    'devices', 0, 'Analyse for this many devices (default: the mesh\'s size when no axis is -1, '
+    'else one node of the profile; with --compiler=cpu, the devices present).')
 HARDWARE = flags.DEFINE_string('hardware', 'h100-nvlink',
                                 f'Hardware profile: {", ".join(PROFILES)}.')
 DEVICE_MEMORY = flags.DEFINE_float('device-memory', 0.0,
                                     'Memory of one device in GB (default: the profile\'s).')
+COMPILER = flags.DEFINE_enum(
+    'compiler', 'gpu', ['gpu', 'cpu'], "Whose program to read: 'gpu' compiles for the profile's "
+    "GPU (no GPU needed), 'cpu' the CPU compiler's, on simulated CPU devices.")
 _JSON = flags.DEFINE_bool('json', False, 'Print the report as JSON.')
+_DUMP = flags.DEFINE_string('dump', '', 'Write the compiled program (HLO text) and the report '
+                            'into this new directory.')
 
 
 # The program is compiled to be read, never run: skip the backend's code optimisation, which
@@ -55,6 +69,17 @@ class Compiled:
   lookup_only_bytes: int       # of those, the input embedding's when untied (see expected_bytes)
   block_split_bytes: int       # of those, the layer stack's
   executable: jax.stages.Compiled
+  device: jax.Device           # one of the devices it was compiled for (their kind, platform)
+
+  @property
+  def cpu(self) -> bool:
+    """Whether the CPU compiler made the program (see `hlo.collectives`)."""
+    return self.device.platform == 'cpu'
+
+  @functools.cached_property
+  def text(self) -> str:
+    """The optimized HLO of the program (made once: every reader of `jaxllm.hlo` takes it)."""
+    return self.executable.as_text()
 
 
 def shard_bytes(tree) -> int:
@@ -64,13 +89,14 @@ def shard_bytes(tree) -> int:
 
 
 def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
-  """The train step compiled ahead of time from abstract state and batch shapes."""
+  """The train step compiled ahead of time from abstract state and batch shapes, for
+  `devices` (default: those present): CPU devices, or a GPU's (`backends.gpu_devices`)."""
   cfg = ConfigDict(cfg)  # our own copy: the attention fallback below must not leak back
-  cfg.model.attention = available_attention(cfg.model)
   devices = jax.devices() if devices is None else devices
+  cfg.model.attention = available_attention(cfg.model, devices[0].platform)
   mesh_shape = resolve_mesh(cfg.mesh, len(devices))
   validate(cfg, mesh_shape)
-  mesh = make_mesh(mesh_shape, devices)
+  mesh = make_mesh(mesh_shape, devices, cfg.mesh.across_hosts)
   pipeline = pipeline_spec(cfg, mesh_shape['pipe'])
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   graphdef, abstract, shardings = state_shapes(cfg.model, tx, mesh, cfg.sharding.rules,
@@ -85,9 +111,18 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
     batch['segment_ids'] = ints
   step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
                          cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite)
-  with sharding_context(mesh, cfg.sharding.rules):
-    executable = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None)).lower(
-        state, batch).compile(COMPILE_OPTIONS)
+  try:
+    with sharding_context(mesh, cfg.sharding.rules), lowering_for(devices):
+      lowered = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None)).lower(
+          state, batch)
+  except NotImplementedError as e:
+    if cfg.model.attention != 'cudnn':
+      raise
+    # cuDNN's attention refuses the model's shapes on this GPU.
+    raise ConfigError(f"model.attention='cudnn' on {devices[0].device_kind}: "
+                      f"{str(e).rstrip('.')}; use model.attention='xla' or change the model's "
+                      'shapes.') from None
+  executable = lowered.compile(COMPILE_OPTIONS)
   fsdp_split = [x for x in jax.tree.leaves(state.params) if 'fsdp' in spec_axes_of(x.sharding)]
   lookup_only = ([] if cfg.model.tie_embeddings else
                  [x for x in [state.params['embed_VD']] if 'fsdp' in spec_axes_of(x.sharding)])
@@ -95,7 +130,7 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
                   {'params': shard_bytes(state.params), 'optimizer': shard_bytes(state.opt_state)},
                   shard_bytes(fsdp_split), shard_bytes(lookup_only),
                   shard_bytes([x for x in jax.tree.leaves(state.params['blocks'])
-                               if 'fsdp' in spec_axes_of(x.sharding)]), executable)
+                               if 'fsdp' in spec_axes_of(x.sharding)]), executable, devices[0])
 
 
 def spec_axes_of(sharding) -> set[str]:
@@ -149,26 +184,29 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
 
 
 def collective_table(c: Compiled, hardware: Hardware) -> tuple[list[dict], list[dict]]:
-  """The compiled collectives grouped by (mesh axes, kind) with count, bytes and time; and
-  their bytes per mesh-axes group beside the analytic figure."""
+  """The compiled collectives grouped by (mesh axes, kind, element type) with count, bytes
+  and time; and their bytes per mesh-axes group beside the analytic figure.
+
+  A combined op moving several element types counts once in each of their rows (and so does
+  its latency)."""
   groups = collections.defaultdict(lambda: {'count': 0, 'bytes': 0.0, 'rewritten': 0})
-  for x in hlo.collectives(c.executable.as_text(), c.mesh_shape):
-    g = groups[(x.axes, x.kind)]
+  for x in hlo.collectives(c.text, c.mesh_shape, cpu=c.cpu):
+    g = groups[(x.axes, x.kind, x.dtype)]
     g['count'] += x.count
     g['bytes'] += x.bytes
     g['rewritten'] += x.count if (x.from_all_reduce or x.summed) else 0
   expected = expected_bytes(c)
   per_axes = collections.Counter()
-  for (axes, _), g in groups.items():
+  for (axes, _, _), g in groups.items():
     per_axes[axes] += g['bytes']
   rows = []
   spanning = axes_across_nodes(c.mesh_shape, c.cfg.mesh.across_hosts, hardware.devices_per_node)
-  for (axes, kind), g in sorted(groups.items()):
+  for (axes, kind, dtype), g in sorted(groups.items()):
     crosses = bool(spanning & set(axes))
     bandwidth, latency = ((hardware.inter_node_bw, hardware.inter_node_latency) if crosses else
                           (hardware.intra_node_bw, hardware.intra_node_latency))
-    rows.append({'axes': list(axes), 'kind': kind, 'count': g['count'], 'bytes': g['bytes'],
-                 'rewritten': g['rewritten'], 'crosses_nodes': crosses,
+    rows.append({'axes': list(axes), 'kind': kind, 'dtype': dtype, 'count': g['count'],
+                 'bytes': g['bytes'], 'rewritten': g['rewritten'], 'crosses_nodes': crosses,
                  'seconds': g['bytes'] / bandwidth + g['count'] * latency})
   totals = []
   for axes, compiled in sorted(per_axes.items()):
@@ -187,11 +225,26 @@ def peak_bytes(executable: jax.stages.Compiled) -> int:
 
 
 def memory(c: Compiled) -> dict[str, float]:
-  """Per-device bytes: state from its shardings, the rest from the compiler's analysis."""
+  """Per-device bytes: state from its shardings, the rest from the compiler's buffer
+  assignment."""
   return {'params': c.state_bytes['params'], 'optimizer': c.state_bytes['optimizer'],
           'gradients': c.state_bytes['params'],  # as the params; held among the temporaries
           'temporaries': c.executable.memory_analysis().temp_size_in_bytes,
           'peak': peak_bytes(c.executable)}
+
+
+def attention(c: Compiled) -> dict:
+  """How attention runs in the program: cuDNN's fused kernels (with their masks, any bias
+  operand, and FLOPs from shapes), or XLA's ops, which hold the [B, N, T, S] scores."""
+  kernels = collections.defaultdict(lambda: {'count': 0, 'flops': 0.0})
+  for k in hlo.fused_attention(c.text):
+    row = kernels[(k.target, k.flash, k.mask, k.bias)]
+    row['count'] += k.count
+    row['flops'] += k.count * k.flops
+  return {'implementation': c.cfg.model.attention,
+          'kernels': [{'target': t, 'flash': f, 'mask': m, 'bias': b, **v}
+                      for (t, f, m, b), v in kernels.items()],
+          'flops_per_device': sum(v['flops'] for v in kernels.values())}
 
 
 def predict(c: Compiled, collectives: list[dict], flops_per_device: float,
@@ -209,36 +262,56 @@ def predict(c: Compiled, collectives: list[dict], flops_per_device: float,
   cfg = c.cfg
   devices = math.prod(c.mesh_shape.values())
   tokens = cfg.train.global_batch * cfg.data.seq_len
-  model_flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)['full'] * tokens
+  model_flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
+  mfu = lambda convention: model_flops[convention] * tokens / (step * devices * hardware.peak_flops)
   return {'compute_s': compute - bubble, 'bubble_s': bubble, 'exposed_comm_s': exposed,
-          'step_s': step, 'tokens_per_s': tokens / step,
-          'mfu': model_flops / (step * devices * hardware.peak_flops)}
+          'step_s': step, 'tokens_per_s': tokens / step, 'mfu': mfu('full'),
+          'mfu_causal': mfu('causal')}
+
+
+def compiler(c: Compiled) -> dict:
+  """Which compiler made the program, and for what."""
+  return {'platform': c.device.platform, 'device': c.device.device_kind,
+          'compile_only': is_compile_only(c.device), 'jax': jax.__version__}
 
 
 def analyze(cfg: ConfigDict, hardware: Hardware, devices=None) -> dict:
-  """The whole report as a JSON-ready dict."""
-  c = compile_step(cfg, devices)
+  """The whole report as a JSON-ready dict, for `devices` (default: those present)."""
+  return report(compile_step(cfg, devices), hardware)
+
+
+def report(c: Compiled, hardware: Hardware) -> dict:
+  """What `analyze` says of a compiled step, as a JSON-ready dict."""
   rows, totals = collective_table(c, hardware)
+  cfg = c.cfg
   m, t = cfg.model, cfg.train
   devices_n = math.prod(c.mesh_shape.values())
   tokens = t.global_batch * cfg.data.seq_len
   flops = metrics.flops_per_token(m, cfg.data.seq_len)
-  compiled_flops = hlo.dot_flops(c.executable.as_text())
+  matmul_flops = hlo.dot_flops(c.text)
+  attn = attention(c)
+  compiled_flops = matmul_flops + attn['flops_per_device']
   mem = memory(c)
+  usable, fraction = usable_memory(hardware)
   counts = metrics.param_counts(m)
   return {
-      'mesh': c.mesh_shape, 'hardware': dataclasses.asdict(hardware),
+      'compiler': compiler(c), 'mesh': c.mesh_shape, 'hardware': dataclasses.asdict(hardware),
       'params': {'total': counts['total'],
                  'per_device': c.state_bytes['params'] // jnp.dtype(m.param_dtype).itemsize},
-      'memory': mem, 'fits': mem['peak'] <= hardware.memory,
+      'memory': {**mem, 'usable': usable, 'usable_fraction': fraction},
+      'fits': mem['peak'] <= usable,
       'flops': {'model_per_token': flops['full'], 'model_per_token_causal': flops['causal'],
                 'model_per_step': flops['full'] * tokens,
+                'compiled_matmul_per_device': matmul_flops,
                 'compiled_per_device': compiled_flops,
                 'compiled_per_step': compiled_flops * devices_n},
+      'attention': attn,
       'pipeline': (None if not c.pipeline else {
           'stages': c.pipeline.stages, 'repeats': c.pipeline.repeats,
           'microbatches': c.pipeline.microbatches, 'bubble': c.pipeline.bubble_fraction}),
       'collectives': rows, 'per_axis': totals,
+      'largest_arrays': [{'bytes': b, 'shape': shape, 'op': op}
+                         for b, shape, op in hlo.largest_values(c.text)],
       'prediction': predict(c, rows, compiled_flops, hardware),
   }
 
@@ -254,10 +327,23 @@ def size_text(n: float) -> str:
   return f'{n:,.0f} B'
 
 
+def program_text(platform: str, count: int, device_kind: str, compile_only: bool) -> str:
+  """Whose program it is, for the text reports of analyze and tune."""
+  if platform != 'gpu':
+    return f'{platform.upper()} compiler\'s program for {count} devices'
+  return (f'GPU: XLA\'s program for {count} × {device_kind}'
+          + (', compiled without a GPU' if compile_only else ''))
+
+
 def format_report(r: dict) -> str:
-  hw, mem, fl, pr = r['hardware'], r['memory'], r['flops'], r['prediction']
+  hw, mem, fl, pr, comp = r['hardware'], r['memory'], r['flops'], r['prediction'], r['compiler']
   devices = math.prod(r['mesh'].values())
+  program = program_text(comp['platform'], devices, comp['device'], comp['compile_only'])
+  if comp['platform'] != 'gpu':
+    program += ': memory, element types and fusions are its own, not a GPU\'s'
+  fit = 'fits' if r['fits'] else 'does NOT fit'
   lines = [
+      f'program  {program}; jax {comp["jax"]}',
       f'mesh     {" ".join(f"{a}={n}" for a, n in r["mesh"].items())}  ({devices} devices)',
       f'params   {r["params"]["total"] / 1e6:,.2f}M total, {r["params"]["per_device"] / 1e6:,.2f}M '
       'per device',
@@ -266,25 +352,29 @@ def format_report(r: dict) -> str:
       f'  optimizer    {size_text(mem["optimizer"]):>12}',
       f'  gradients    {size_text(mem["gradients"]):>12}   (as the params; among the temporaries)',
       f'  temporaries  {size_text(mem["temporaries"]):>12}   (activations, gradients, workspace: '
-      'the compiler\'s figure)',
-      f'  peak         {size_text(mem["peak"]):>12}   '
-      f'{"fits" if r["fits"] else "does NOT fit"} {hw["name"]} ({size_text(hw["memory"])})',
+      'the compiler\'s buffer assignment)',
+      f'  peak         {size_text(mem["peak"]):>12}   {fit} the {size_text(mem["usable"])} a '
+      f'process may use of {hw["name"]}\'s {size_text(hw["memory"])} '
+      f'(XLA_PYTHON_CLIENT_MEM_FRACTION={mem["usable_fraction"]:g})',
       f'FLOPs    model {fl["model_per_token"] / 1e9:,.3f} GFLOP/token (6N + 12LHQT; '
       f'{fl["model_per_token_causal"] / 1e9:,.3f} with causal halving), '
-      f'{fl["model_per_step"] / 1e12:,.3f} TFLOP/step; compiled matmuls '
+      f'{fl["model_per_step"] / 1e12:,.3f} TFLOP/step; compiled '
       f'{fl["compiled_per_step"] / 1e12:,.3f} TFLOP/step '
-      f'({fl["compiled_per_step"] / fl["model_per_step"]:.2f}× model)',
+      f'({fl["compiled_per_step"] / fl["model_per_step"]:.2f}× model; matmuls from the program'
+      + (', fused attention from its shapes)' if r['attention']['kernels'] else ')'),
   ]
+  lines += attention_lines(r['attention'])
   if r['pipeline']:
     p = r['pipeline']
     lines.append(f'pipeline S={p["stages"]} R={p["repeats"]} M={p["microbatches"]}: bubble '
                  f'{p["bubble"]:.1%}')
   lines.append('collectives per step, bytes sent by one device:')
-  lines.append(f'  {"axes":16} {"kind":19} {"count":>7} {"bytes":>12} {"time":>10}  link')
+  lines.append(f'  {"axes":16} {"kind":19} {"dtype":5} {"count":>7} {"bytes":>12} {"time":>10}'
+               '  link')
   for c in r['collectives']:
     note = '*' if c['rewritten'] else ' '
-    lines.append(f'  {",".join(c["axes"]):16} {c["kind"] + note:19} {c["count"]:>7,} '
-                 f'{size_text(c["bytes"]):>12} {seconds_text(c["seconds"]):>10}  '
+    lines.append(f'  {",".join(c["axes"]):16} {c["kind"] + note:19} {c["dtype"]:5} '
+                 f'{c["count"]:>7,} {size_text(c["bytes"]):>12} {seconds_text(c["seconds"]):>10}  '
                  f'{"inter-node" if c["crosses_nodes"] else "intra-node"}')
   if any(c['rewritten'] for c in r['collectives']):
     lines.append('  * counted as an accelerator runs it: an all-reduce whose result is only '
@@ -295,31 +385,76 @@ def format_report(r: dict) -> str:
     analytic = (f'{size_text(a["analytic"]):>12}  ratio {a["ratio"]:.3f}' if a['analytic']
                 else f'{"–":>12}')
     lines.append(f'  {",".join(a["axes"]):16} {size_text(a["bytes"]):>12}  analytic {analytic}')
+  lines.append('largest arrays the program computes (not all live at once):')
+  for a in r['largest_arrays']:
+    lines.append(f'  {size_text(a["bytes"]):>12}  {a["shape"]:28} {a["op"]}')
   lines.append(
       f'predicted on {hw["name"]}: step {seconds_text(pr["step_s"])} = compute '
       f'{seconds_text(pr["compute_s"])} + bubble {seconds_text(pr["bubble_s"])} + exposed '
       f'communication {seconds_text(pr["exposed_comm_s"])}; {pr["tokens_per_s"]:,.0f} tokens/s, '
-      f'MFU {pr["mfu"]:.1%} (matmuls at {hw["matmul_efficiency"]:.0%} of peak)')
+      f'MFU {pr["mfu"]:.1%} ({pr["mfu_causal"]:.1%} with causal halving; matmuls at '
+      f'{hw["matmul_efficiency"]:.0%} of peak)')
   return '\n'.join(lines)
 
 
+def attention_lines(a: dict) -> list[str]:
+  """How attention runs, for the text report."""
+  if not a['kernels']:
+    return [f'attention {a["implementation"]}: XLA\'s ops, no fused kernel; the [B, N, T, S] '
+            'scores are held in memory']
+  lines = ['attention cuDNN kernels per step (FLOPs from their shapes):']
+  for k in a['kernels']:
+    bias = f', bias operand {k["bias"]}' if k['bias'] else ''
+    lines.append(f'  {k["target"]:36} ×{k["count"]:<5,} {"flash" if k["flash"] else "not flash"}'
+                 f', mask {k["mask"]}{bias}, {k["flops"] / 1e12:,.3f} TFLOP')
+  return lines
+
+
 def parse_and_place(argv: list[str]):
-  """The config and workdir from the command line, with JAX set to the devices to analyse:
-  --devices N simulated on the CPU, else those present (config.cpu_devices on a CPU)."""
-  cfg, workdir = parse_command_line(argv)
+  """The config, hardware profile and devices to analyse from the command line: N GPUs of the
+  profile (compiled for, never present), or with --compiler=cpu N devices simulated on the
+  CPU (default: those present, config.cpu_devices on a CPU). Starts JAX's backends."""
+  cfg, _ = parse_command_line(argv)
   if DEVICES.value < 0:
     raise ConfigError(f'--devices={DEVICES.value} must be positive.')
-  if DEVICES.value:  # must happen before JAX starts its backends
+  hardware = hardware_profile(HARDWARE.value, DEVICE_MEMORY.value)
+  if COMPILER.value == 'cpu' and DEVICES.value:  # before JAX starts its backends
     jax.config.update('jax_platforms', 'cpu')
     cfg.cpu_devices = DEVICES.value
   start_backends(cfg)
-  return cfg, workdir
+  if COMPILER.value == 'cpu':
+    return cfg, hardware, jax.devices()
+  sizes = [cfg.mesh[a] for a in MESH_AXES]
+  count = DEVICES.value or (math.prod(sizes) if min(sizes) > 0 else hardware.devices_per_node)
+  return cfg, hardware, gpu_devices(hardware, count)
+
+
+def check_dump_directory(directory: str) -> None:
+  """--dump writes only into a new (or empty) directory: nothing there is overwritten."""
+  if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+    raise ConfigError(f'--dump {directory}: exists and is not an empty directory; name a new '
+                      'one.')
+
+
+def write_dump(directory: str, c: Compiled, r: dict) -> None:
+  """The compiled program and the report, for a person to read."""
+  os.makedirs(directory, exist_ok=True)
+  files = {'program.hlo.txt': c.text, 'report.json': json.dumps(r, indent=2) + '\n',
+           'report.txt': format_report(r) + '\n'}
+  for name, text in files.items():
+    with open(os.path.join(directory, name), 'w') as f:
+      f.write(text)
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = parse_and_place(argv)
-  report = analyze(cfg, hardware_profile(HARDWARE.value, DEVICE_MEMORY.value))
-  print(json.dumps(report, indent=2) if _JSON.value else format_report(report))
+  cfg, hardware, devices = parse_and_place(argv)
+  if _DUMP.value:
+    check_dump_directory(_DUMP.value)  # before the long part
+  compiled = compile_step(cfg, devices)
+  r = report(compiled, hardware)
+  print(json.dumps(r, indent=2) if _JSON.value else format_report(r))
+  if _DUMP.value:
+    write_dump(_DUMP.value, compiled, r)
 
 
 if __name__ == '__main__':

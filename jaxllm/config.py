@@ -252,6 +252,9 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
       raise ConfigError(f'model.{field}={m[field]} must be positive.')
   if m.head_dim % 2:
     raise ConfigError(f'model.head_dim={m.head_dim} must be even for rotary embeddings.')
+  if m.attention == 'cudnn' and m.dtype != 'bfloat16':
+    raise ConfigError(f"model.attention='cudnn' computes in bfloat16, but model.dtype="
+                      f"{m.dtype!r}; set model.dtype='bfloat16' or use model.attention='xla'.")
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f'model.num_heads={m.num_heads} is not a multiple of '
                       f'model.num_kv_heads={m.num_kv_heads}; grouped-query attention needs it.')
@@ -393,16 +396,6 @@ def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
   workdir = _WORKDIR.value or os.path.join(
       'runs', os.path.splitext(os.path.basename(config_path))[0])
   return cfg, workdir
-
-
-def start_backends(cfg: ConfigDict) -> None:
-  """Applies what JAX reads once, when its backends start: cpu_devices and xla_flags. Call it
-  before anything runs on a device."""
-  import jax
-  if cfg.cpu_devices:
-    jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
-  if cfg.xla_flags:
-    os.environ['XLA_FLAGS'] = f"{cfg.xla_flags} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 
 def main_guard(main):

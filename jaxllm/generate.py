@@ -26,6 +26,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict
 
+from jaxllm.backends import start_backends
 from jaxllm.checkpoint import params_target, restore_params, saved_config
 from jaxllm.config import ConfigError, default_config, main_guard
 from jaxllm.data.tokenizer import load_tokenizer
@@ -341,6 +342,7 @@ def check_fits(model: Model, prompt: list[int]) -> None:
 
 def main(argv: list[str]) -> None:
   sampling = parse_flags(argv)
+  start_backends()
   # Orbax notes on stderr that it opens checkpoints read-only, as this command always does.
   absl_logging.set_verbosity(absl_logging.ERROR)
   mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), jax.devices()[:1])

@@ -29,6 +29,7 @@ from ml_collections import ConfigDict
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxllm.backends import start_backends
 from jaxllm.checkpoint import SHAPE_FIELDS, params_target, restore_params, saved_config
 from jaxllm.config import ConfigError, default_config, main_guard
 from jaxllm.mesh import make_mesh
@@ -428,6 +429,7 @@ def main(argv: list[str]) -> None:
   export_cmd.add_argument('--max-shard-gb', type=float, default=5.0,
                           help='split the weights into files of at most this size (GB)')
   args = parser.parse_args(argv[1:])
+  start_backends()
   export_checkpoint(args.checkpoint, args.out, int(args.max_shard_gb * 10**9))
   print(f'exported {args.checkpoint} to {args.out}')
 

@@ -1,19 +1,22 @@
-"""The collectives of a compiled step, read from its optimized HLO text.
+"""What a compiled step does, read from its optimized HLO text: its collectives, its matmul
+and attention FLOPs, its fused attention kernels and its largest values.
 
-For each collective: its kind, the mesh axes its device groups span, how many times it runs
-per step (loop trip counts multiplied through) and the bytes each device sends, by the ring
-formulas of a collective over N devices holding S bytes (result size):
+For each collective: its kind, element type, the mesh axes its device groups span, how many
+times it runs per step (loop trip counts multiplied through) and the bytes each device sends,
+by the ring formulas of a collective over N devices holding S bytes (result size):
 all-reduce 2(N−1)/N·S; all-gather and all-to-all (N−1)/N·S; reduce-scatter (N−1)·S (S is the
-scattered piece); collective-permute S.
+scattered piece); collective-permute S. GPU programs run collectives asynchronously
+(`all-gather-start` … `-done`), several of them combined into one op; both forms are read.
 
-Backends without a reduce-scatter rewrite (the CPU) emit an all-reduce whose result is only
-ever sliced down to 1/N; on GPU and TPU XLA turns exactly that pattern into a reduce-scatter.
-Such all-reduces are reported as reduce-scatters (`from_all_reduce=True`) so that the bytes
-match what an accelerator moves.
+The CPU compiler has no reduce-scatter rewrite: it emits an all-reduce whose result is only
+ever sliced down to 1/N, where GPU and TPU compilers emit a reduce-scatter. Read from a CPU
+program (`cpu=True`), such all-reduces are reported as reduce-scatters
+(`from_all_reduce=True`) so that the bytes match what an accelerator moves.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -43,6 +46,7 @@ class Instruction:
 @dataclasses.dataclass
 class Collective:
   kind: str                 # one of KINDS
+  dtype: str                # element type of what moves, e.g. 'bf16'
   axes: tuple[str, ...]     # mesh axes the device groups span
   group_size: int
   count: int                # executions per step
@@ -137,7 +141,9 @@ def call_counts(computations, entry: str) -> dict[str, int]:
       for key, callee in re.findall(
           r'(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)',
           inst.attrs):
-        if key != 'to_apply':  # reductions' little adders hold no collectives
+        # Reductions' little adders hold nothing of interest; an asynchronous op's wrapped
+        # computation runs once, for its start (its done may name it too).
+        if key != 'to_apply' and inst.opcode not in ('async-update', 'async-done'):
           visit(callee, times * (trips if key in ('body', 'condition') else 1))
       branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
       for callee in re.findall(r'%?([\w.\-]+)', branches.group(1)) if branches else ():
@@ -252,10 +258,24 @@ def _only_added(computations, comp: str, user: Instruction, values: set[str]) ->
              for u in computations[fused].values() if inside & set(u.operands))
 
 
+# Bytes one device sends per byte of a collective's result, in a group of n (ring formulas).
+RING = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
+        'all-to-all': lambda n: (n - 1) / n, 'reduce-scatter': lambda n: n - 1,
+        'collective-permute': lambda n: 1}
+
+
+def bytes_by_dtype(shape: str) -> dict[str, int]:
+  """Bytes of each element type among a shape's arrays."""
+  found = collections.Counter()
+  for dtype, dims in arrays(shape):
+    found[dtype] += DTYPE_BYTES.get(dtype, 4) * math.prod(dims)
+  return dict(found)
+
+
 def _all_reduce(computations, comp: str, inst: Instruction, axes, n: int, times: int
                 ) -> list[Collective]:
-  """An all-reduce's records as an accelerator runs it: elements only ever sliced to 1/n are a
-  reduce-scatter; elements that are only summed with each other are reduced once, summed."""
+  """A CPU program's all-reduce as an accelerator runs it: elements only ever sliced to 1/n
+  are a reduce-scatter; elements that are only summed with each other are reduced once."""
   insts = computations[comp]
   elements = _tuple_elements(inst.shape) if inst.shape.startswith('(') else [inst.shape]
   values = []  # per element: the names that carry it
@@ -273,23 +293,27 @@ def _all_reduce(computations, comp: str, inst: Instruction, axes, n: int, times:
     names = {values[i][0] for i in indices}
     if len(indices) > 1 and _only_added(computations, comp, insts[consumer], names):
       summed |= set(indices[1:])  # the first one stands for the sum
-  whole = scattered = 0
+  whole, scattered = collections.Counter(), collections.Counter()
   for index, element in enumerate(elements):
     size = math.prod(arrays(element)[0][1])
     if index in summed:
       continue
-    if values[index] and all(_sliced_to(computations, comp, v, size, n) for v in values[index]):
-      scattered += nbytes(element)
-    else:
-      whole += nbytes(element)
-  found = []
-  if whole:
-    found.append(Collective('all-reduce', axes, n, times, 2 * (n - 1) / n * whole,
-                            summed=len(summed)))
-  if scattered:
-    found.append(Collective('reduce-scatter', axes, n, times, (n - 1) / n * scattered,
-                            from_all_reduce=True))
-  return found
+    sliced = values[index] and all(_sliced_to(computations, comp, v, size, n)
+                                   for v in values[index])
+    (scattered if sliced else whole).update(bytes_by_dtype(element))
+  return ([Collective('all-reduce', dtype, axes, n, times, RING['all-reduce'](n) * size,
+                      summed=len(summed)) for dtype, size in whole.items()] +
+          [Collective('reduce-scatter', dtype, axes, n, times,  # the piece kept is size / n
+                      RING['reduce-scatter'](n) * size / n, from_all_reduce=True)
+           for dtype, size in scattered.items()])
+
+
+def _delivered(inst: Instruction) -> str:
+  """The shape of what a collective delivers. A GPU program's asynchronous starts hold
+  (operands, results, ...), except `all-reduce-start`, whose shape is its result."""
+  if inst.opcode.endswith('-start') and inst.opcode != 'all-reduce-start':
+    return _tuple_elements(inst.shape)[1]
+  return inst.shape
 
 
 @functools.lru_cache(maxsize=2)
@@ -300,9 +324,11 @@ def _program(hlo_text: str):
   return computations, call_counts(computations, entry)
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list[Collective]:
   """Every collective of a compiled program (`compiled.as_text()`) on a mesh of `mesh_shape`
-  (axis name → size, in the mesh's order), with its executions per step."""
+  (axis name → size, in the mesh's order), with its executions per step: one record per
+  element type it moves. `cpu`: the program is the CPU compiler's, whose all-reduce
+  patterns are counted as an accelerator runs them (see the module's docstring)."""
   computations, counts = _program(hlo_text)
   found = []
   for comp, insts in computations.items():
@@ -315,15 +341,11 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
                            permute=kind == 'collective-permute')
       if n <= 1 or not axes:
         continue
-      shape = inst.shape
-      if inst.opcode.endswith('-start') and kind in ('all-gather', 'collective-permute'):
-        shape = _tuple_elements(shape)[1]  # (operand, result, ...): what arrives
-      if kind == 'all-reduce':
+      if kind == 'all-reduce' and cpu:
         found += _all_reduce(computations, comp, inst, axes, n, times)
         continue
-      per_call = {'all-gather': (n - 1) / n, 'all-to-all': (n - 1) / n,
-                  'reduce-scatter': n - 1, 'collective-permute': 1}[kind] * nbytes(shape)
-      found.append(Collective(kind, axes, n, times, per_call))
+      found += [Collective(kind, dtype, axes, n, times, RING[kind](n) * size)
+                for dtype, size in bytes_by_dtype(_delivered(inst)).items()]
   return found
 
 
@@ -344,3 +366,71 @@ def dot_flops(hlo_text: str) -> float:
       k = math.prod(dims[int(d)] for d in contracting.group(1).split(',') if d)
       total += counts[comp] * 2 * math.prod(arrays(inst.shape)[0][1]) * k
   return total
+
+
+@dataclasses.dataclass
+class FusedAttention:
+  """A cuDNN attention kernel of a GPU program (a `__cudnn$fmha…` custom call)."""
+  target: str          # e.g. '__cudnn$fmhaSoftmax', '__cudnn$fmhaScaleBiasSoftmaxBackward'
+  count: int           # executions per step
+  flash: bool          # cuDNN's flash-attention kernel, which never holds the T×S scores
+  mask: str            # the kernel's own mask: 'CAUSAL', 'NO_MASK', 'PADDING_CAUSAL', ...
+  bias: str | None     # a [.., T, S] bias operand (e.g. a dense mask made into one): its shape
+  flops: float         # per execution, from the shapes
+
+  @property
+  def backward(self) -> bool:
+    return self.target.endswith('Backward')
+
+
+def fused_attention(hlo_text: str) -> list[FusedAttention]:
+  """The cuDNN attention kernels of a program. FLOPs are counted from the shapes (the kernels
+  report none): 4·B·N·T·S·H forward (Q·Kᵀ and P·V), 10·B·N·T·S·H backward (Q·Kᵀ again and
+  four gradient matmuls), halved under a causal mask, whose upper triangle the kernel skips."""
+  computations, counts = _program(hlo_text)
+  found = []
+  for comp, insts in computations.items():
+    for inst in insts.values() if counts.get(comp) else ():
+      target = re.search(r'custom_call_target="(__cudnn\$fmha\w*)"', inst.attrs)
+      if inst.opcode != 'custom-call' or not target:
+        continue
+      scores = re.search(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":'
+                         r'\[([^\]]*)\]', inst.attrs.replace(' ', ''))
+      dims = [int(d) for d in re.findall(r'\d+', scores.group(1))] if scores else []
+      start = inst.attrs.find('operand_layout_constraints=')
+      operands = arrays(inst.attrs[start:_balanced(inst.attrs, inst.attrs.index('{', start))])
+      mask = re.search(r'"mask_type":\s*"(\w+)"', inst.attrs)
+      mask = mask.group(1) if mask else 'NO_MASK'
+      bias = next((f'{t}[{",".join(map(str, d))}]' for t, d in operands[3:]
+                   if dims and len(d) == len(dims) and d[-2:] == tuple(dims[-2:])), None)
+      flops = 0.0
+      if dims and operands:
+        b_n_t_s = math.prod(dims)  # [B, N, T, S]
+        flops = (10 if target.group(1).endswith('Backward') else 4) * b_n_t_s * operands[0][1][-1]
+        flops *= 0.5 if 'CAUSAL' in mask else 1.0
+      found.append(FusedAttention(target.group(1), counts[comp],
+                                  '"is_flash_attention":true' in inst.attrs.replace(' ', ''),
+                                  mask, bias, flops))
+  return found
+
+
+def largest_values(hlo_text: str, k: int = 5) -> list[tuple[int, str, str]]:
+  """The `k` largest arrays the program computes (outside fusions, whose insides are never
+  held), as (bytes, shape, the JAX operation that made it), each shape and operation once."""
+  computations, counts = _program(hlo_text)
+  fused = {m for insts in computations.values() for i in insts.values() if i.opcode == 'fusion'
+           for m in re.findall(r'calls=%?([\w.\-]+)', i.attrs)}
+  skip = ('parameter', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'call', 'conditional',
+          'constant', 'async-start', 'async-done', 'custom-call')
+  seen = {}
+  for comp, insts in computations.items():
+    if comp in fused or not counts.get(comp):
+      continue
+    for inst in insts.values():
+      if inst.opcode in skip or inst.opcode.endswith(('-start', '-done')):
+        continue
+      op = re.search(r'op_name="([^"]*)"', inst.attrs)
+      for dtype, dims in arrays(inst.shape):  # a multi-output fusion makes several arrays
+        shape = f'{dtype}[{",".join(map(str, dims))}]'
+        seen.setdefault((shape, op.group(1) if op else inst.opcode), nbytes(shape))
+  return sorted(((size, *key) for key, size in seen.items()), reverse=True)[:k]

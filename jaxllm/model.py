@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict, FrozenConfigDict
 
-from jaxllm.mesh import constrain
+from jaxllm.mesh import constrain, logical_spec, spec_axes
 
 REMAT = {
     'full': jax.checkpoint_policies.nothing_saveable,
@@ -146,9 +147,7 @@ class Attention(nnx.Module):
     q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
     k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
     if cache is None:
-      o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
-                                            mask=segment_mask(segment_ids_BT),
-                                            implementation=self.cfg.attention)
+      o_BTNH = sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
     else:
       o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache)
     o_BTNH = checkpoint_name(constrain(o_BTNH, 'batch', 'seq', 'act_heads', None), 'attention')
@@ -198,10 +197,10 @@ class Block(nnx.Module):
     return x_BTD if cache is None else (x_BTD, new_kv)
 
 
-def available_attention(model_cfg: ConfigDict) -> str:
-  """model.attention on this backend: 'cudnn' is a fused NVIDIA kernel, so elsewhere 'xla'
-  (the same math) stands in for it."""
-  if model_cfg.attention == 'cudnn' and jax.default_backend() != 'gpu':
+def available_attention(model_cfg: ConfigDict, platform: str) -> str:
+  """model.attention on devices of `platform` ('gpu', 'cpu', ...): 'cudnn' is a fused NVIDIA
+  kernel, so elsewhere 'xla' (the same math) stands in for it."""
+  if model_cfg.attention == 'cudnn' and platform != 'gpu':
     return 'xla'
   return model_cfg.attention
 
@@ -209,6 +208,34 @@ def available_attention(model_cfg: ConfigDict) -> str:
 def sequence_positions(tokens_BT):
   """Positions 0..T-1 of every row: one unpacked sequence per row."""
   return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+
+
+def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: str):
+  """Causal attention inside each document, computed where the rows and heads are: rows
+  split as the batch, heads as the head activations, each sequence whole. No shard then needs
+  another's data, and cuDNN's fused kernel sees local arrays: JAX's partitioning rule for it
+  fails inside the pipeline's shard_map, where some mesh axes are already manual."""
+  def attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT):
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                        mask=segment_mask(segment_ids_BT),
+                                        implementation=implementation)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+
+  def spec(x, *names):  # a dimension its mesh axes do not divide (a small batch) stays whole
+    return P(*(e if x.shape[i] % math.prod(mesh.shape[a] for a in spec_axes(e)) == 0 else None
+               for i, e in enumerate(logical_spec(*names))))
+
+  q_spec = spec(q_BTNH, 'batch', None, 'act_heads', None)
+  kv_spec = spec(k_BTKH, 'batch', None, 'act_kv_heads', None)
+  if q_spec[2] != kv_spec[2]:  # a query head's kv head must be on its device
+    q_spec, kv_spec = P(*q_spec[:2], None, None), P(*kv_spec[:2], None, None)
+  rows = None if segment_ids_BT is None else P(q_spec[0], None)
+  return jax.shard_map(attend, in_specs=(q_spec, kv_spec, kv_spec, rows), out_specs=q_spec,
+                       axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+                       check_vma=False)(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
 
 
 def segment_mask(segment_ids_BT):

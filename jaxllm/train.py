@@ -22,8 +22,9 @@ from ml_collections import ConfigDict
 
 from jaxllm import distributed, hf, metrics
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
+from jaxllm.backends import start_backends
 from jaxllm.config import (TrainingError, main_guard, parse_command_line, resolve_mesh,
-                           start_backends, validate)
+                           validate)
 from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.mesh import host_split, hosts, make_mesh, sharding_context
 from jaxllm.model import available_attention
@@ -57,11 +58,12 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   devices = jax.devices() if devices is None else devices
   mesh_shape = resolve_mesh(cfg.mesh, len(devices))
   validate(cfg, mesh_shape)
-  if available_attention(cfg.model) != cfg.model.attention:
+  platform = devices[0].platform
+  if available_attention(cfg.model, platform) != cfg.model.attention:
     if metrics.is_logging_process():
-      print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the backend is "
-            f"{jax.default_backend()}; using 'xla' attention.")
-    cfg.model.attention = available_attention(cfg.model)
+      print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
+            f"{platform} devices; using 'xla' attention.")
+    cfg.model.attention = available_attention(cfg.model, platform)
   mesh = make_mesh(mesh_shape, devices, cfg.mesh.across_hosts)
   batches = make_batches(cfg, mesh)
   eval_batches = make_eval_batches(cfg, mesh) if cfg.eval.every else None

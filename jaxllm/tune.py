@@ -1,9 +1,11 @@
 """`python -m jaxllm.tune --config configs/X.py --devices N [--hardware h100-nvlink] [--measure K]`
 
 Tries every mesh data·fsdp·pipe·tensor = N that the model allows, with each micro-batch count
-and remat policy asked for: compiles each from shapes (as `jaxllm.analyze` does), drops those
-that do not fit the device's memory, and ranks the rest by predicted step time. `--measure K`
-then runs the best K for a few real steps on the devices present, beside the prediction.
+and remat policy asked for: compiles each from shapes for the profile's GPU (as
+`jaxllm.analyze` does, with its --compiler and --devices), drops those that do not fit what a
+process may use of the device's memory, and ranks the rest by predicted step time.
+`--measure K` then runs the best K for a few real steps on the devices present, beside the
+prediction.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from absl import flags
 from ml_collections import ConfigDict
 
 from jaxllm import analyze
+from jaxllm.backends import is_compile_only
 from jaxllm.config import MESH_AXES, REMAT_POLICIES, ConfigError, main_guard, validate
-from jaxllm.hardware import Hardware, hardware_profile
+from jaxllm.hardware import Hardware, usable_memory
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.optim import make_optimizer
 from jaxllm.pipeline import pipeline_spec
@@ -62,12 +65,12 @@ def state_fits(c: ConfigDict, hardware: Hardware, devices) -> bool:
   _, abstract, shardings = state_shapes(c.model, tx, mesh, c.sharding.rules, c.train.seed,
                                         pipeline_spec(c, c.mesh.pipe))
   state = restore_target(abstract, shardings)
-  return analyze.shard_bytes(state) <= hardware.memory
+  return analyze.shard_bytes(state) <= usable_memory(hardware)[0]
 
 
-def rank(cfg: ConfigDict, hardware: Hardware, remats, micro_batches, devices=None):
-  """The candidates that fit, best first, as rows; and how many were left out, and why."""
-  devices = jax.devices() if devices is None else devices
+def rank(cfg: ConfigDict, hardware: Hardware, remats, micro_batches, devices):
+  """The candidates that fit, best first, as rows; and how many were left out, and why.
+  `devices`: those to compile for (a GPU's, or CPU devices)."""
   rows, skipped = [], {'invalid': 0, 'state does not fit': 0, 'does not fit': 0}
   for c, reason in candidates(cfg, len(devices), remats, micro_batches):
     if reason:
@@ -109,10 +112,12 @@ def measure(c: ConfigDict, steps: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
-def format_table(rows: list[dict], skipped: dict, hardware: Hardware) -> str:
+def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -> str:
+  program = analyze.program_text(devices[0].platform, len(devices), devices[0].device_kind,
+                                 is_compile_only(devices[0]))
   lines = [f'{len(rows)} candidates fit {hardware.name} '
            f'({", ".join(f"{v} {k}" for k, v in skipped.items() if v) or "none left out"}); '
-           'predicted, best first:',
+           f'{program}; predicted, best first:',
            f'{"#":>3}  {"data":>4} {"fsdp":>4} {"pipe":>4} {"tensor":>6}  {"remat":5} {"micro":>5}  '
            f'{"memory/device":>13}  {"step":>10}  {"tokens/s":>12}  {"MFU":>6}  '
            f'{"compute":>7} {"bubble":>6} {"comm":>6}']
@@ -128,8 +133,11 @@ def format_table(rows: list[dict], skipped: dict, hardware: Hardware) -> str:
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = analyze.parse_and_place(argv)
-  hardware = hardware_profile(analyze.HARDWARE.value, analyze.DEVICE_MEMORY.value)
+  cfg, hardware, devices = analyze.parse_and_place(argv)
+  if _MEASURE.value and len(devices) != jax.device_count():
+    raise ConfigError(f'--measure runs the candidates on the devices present, '
+                      f'{jax.device_count()} × {jax.devices()[0].device_kind}; rank for as many '
+                      f'(--devices {jax.device_count()}) or leave --measure out.')
   remats = _REMAT.value
   try:
     micro_batches = [int(m) for m in _MICRO_BATCHES.value]
@@ -139,12 +147,12 @@ def main(argv: list[str]) -> None:
   for remat in remats:
     if remat not in REMAT_POLICIES:
       raise ConfigError(f'--remat={remat!r} is unknown; use {", ".join(REMAT_POLICIES)}.')
-  rows, skipped = rank(cfg, hardware, remats, micro_batches)
+  rows, skipped = rank(cfg, hardware, remats, micro_batches, devices)
   if not rows:
-    raise ConfigError(f'no mesh of {jax.device_count()} devices fits {hardware.name} '
+    raise ConfigError(f'no mesh of {len(devices)} devices fits {hardware.name} '
                       f'({", ".join(f"{v} {k}" for k, v in skipped.items() if v)}); use more '
                       'devices, a larger --device-memory, or a smaller model or batch.')
-  print(format_table(rows, skipped, hardware))
+  print(format_table(rows, skipped, hardware, devices))
   if _MEASURE.value:
     print(f'measured on {jax.device_count()} × {jax.devices()[0].device_kind}, '
           f'{_MEASURE_STEPS.value} steps each:')

@@ -1,4 +1,5 @@
-"""Every test runs on 8 simulated CPU devices, so every mesh axis can be exercised."""
+"""Every test runs on 8 simulated CPU devices, so every mesh axis can be exercised; GPU
+programs are compiled for GPUs that are not there (`jaxllm.backends.gpu_devices`)."""
 
 import os
 import subprocess
@@ -6,12 +7,15 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
-jax.config.update('jax_num_cpu_devices', 8)
+from jaxllm.backends import start_backends
+from jaxllm.config import default_config
 
-import pytest  # noqa: E402
+_BACKENDS = default_config()
+_BACKENDS.cpu_devices = 8
+start_backends(_BACKENDS)  # as every command starts them
 
-from jaxllm.config import default_config  # noqa: E402
 from jaxllm.mesh import make_mesh, sharding_context  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -56,6 +56,7 @@ BAD_INPUTS = {
     'missing_data': (['--config.data.path=/nonexistent/corpus/*.txt'], 'data.path'),
     'eval_without_split': (['--config.data.eval_fraction=0'], 'eval.every'),
     'remat_policy': (['--config.model.remat=sometimes'], 'model.remat'),
+    'cudnn_in_fp32': (['--config.model.attention=cudnn'], 'model.dtype'),
     'two_fill_axes': (['--config.mesh.data=-1', '--config.mesh.fsdp=-1'], 'mesh'),
     'layers_vs_stages': (['--config.mesh.pipe=8', '--config.mesh.data=1', '--config.mesh.fsdp=1',
                           '--config.mesh.tensor=1'], 'model.num_layers'),
@@ -121,7 +122,8 @@ def test_missing_config_file_is_one_readable_line():
 
 def test_config_xla_flags_come_before_the_environments(monkeypatch):
   """XLA reads its flags in order and the last one given wins: the environment's override."""
-  from jaxllm.config import default_config, start_backends
+  from jaxllm.backends import start_backends
+  from jaxllm.config import default_config
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_enable_latency_hiding_scheduler=false')
   cfg = default_config()
   start_backends(cfg)

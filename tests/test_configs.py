@@ -1,4 +1,5 @@
-"""The published model shapes: their parameter counts, and a train step that compiles."""
+"""The published model shapes: their parameter counts, and a train step that compiles for
+8 H100s (for the CPU where JAX's CUDA plugin is missing)."""
 
 import os
 
@@ -6,7 +7,9 @@ import jax
 import pytest
 
 from conftest import REPO
+from jaxllm import backends, hlo
 from jaxllm.analyze import compile_step
+from jaxllm.hardware import PROFILES
 from jaxllm.config import load_config, resolve_mesh
 from jaxllm.mesh import make_mesh
 from jaxllm.metrics import param_counts
@@ -32,5 +35,9 @@ def test_published_shape_compiles_from_shapes_alone(name):
   assert sum(x.size for x in jax.tree.leaves(abstract.params)) == PUBLISHED[name]
   assert param_counts(cfg.model)['total'] == PUBLISHED[name]
 
-  compiled = compile_step(cfg).executable  # cuDNN attention falls back to XLA's on the CPU
-  assert 'all-gather' in compiled.as_text()
+  gpu = backends.cuda_plugin_installed()
+  compiled = compile_step(cfg, backends.gpu_devices(PROFILES['h100-nvlink'], 8) if gpu else None)
+  assert 'all-gather' in compiled.text
+  # cuDNN flash attention on the GPU; XLA's stands in for it on the CPU.
+  flash = [k.flash for k in hlo.fused_attention(compiled.text)]
+  assert (flash and all(flash)) if gpu and cfg.model.attention == 'cudnn' else not flash

@@ -7,6 +7,8 @@ import pytest
 from flax import nnx
 
 from conftest import small_config
+from jaxllm.config import resolve_mesh
+from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.metrics import param_counts
 from jaxllm.model import Attention, Transformer, rope_frequencies
 from jaxllm.step import loss_terms
@@ -56,6 +58,31 @@ def test_attention_matches_numpy_reference(kv_heads, one_device):
        for k in ('wq_DNH', 'wk_DKH', 'wv_DKH', 'wo_NHD')}
   want = numpy_attention(x.astype(np.float64), w['wq_DNH'], w['wk_DKH'], w['wv_DKH'],
                          w['wo_NHD'], np.asarray(rope_frequencies(cfg), np.float64))
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize('mesh, kv_heads, replicated', [
+    (dict(data=2, tensor=4), 4, ()),                              # rows and heads split
+    (dict(data=2, tensor=4), 2, ('kv_heads', 'act_kv_heads')),    # kv heads whole: heads too
+    (dict(data=2, fsdp=4), 2, ()),                                # 2 rows over 8: rows whole
+])
+def test_sharded_attention_matches_numpy_reference(mesh, kv_heads, replicated):
+  """Attention on each device's rows and heads, wherever the rules put them."""
+  cfg = small_config(**mesh)
+  cfg.model.update(num_kv_heads=kv_heads, init_std=0.3)
+  for name in replicated:
+    cfg.sharding.rules[name] = ()
+  device_mesh = make_mesh(resolve_mesh(cfg.mesh, 8))
+  with sharding_context(device_mesh, cfg.sharding.rules):
+    attn = Attention(cfg.model, nnx.Rngs(1))
+    x = np.random.default_rng(0).normal(size=(2, 12, cfg.model.embed_dim)).astype(np.float32)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    graphdef, state = nnx.split(attn)
+    got = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, positions))(state, jnp.asarray(x))
+  w = {k: np.asarray(getattr(attn, k)[...], np.float64)
+       for k in ('wq_DNH', 'wk_DKH', 'wv_DKH', 'wo_NHD')}
+  want = numpy_attention(x.astype(np.float64), w['wq_DNH'], w['wk_DKH'], w['wv_DKH'],
+                         w['wo_NHD'], np.asarray(rope_frequencies(cfg.model), np.float64))
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 

@@ -14,6 +14,7 @@ import os
 import grain
 from absl import flags
 
+from jaxllm.backends import start_backends
 from jaxllm.config import ConfigError, main_guard, parse_command_line
 from jaxllm.data.loader import READ_OPTIONS
 from jaxllm.data.sources import open_documents, write_token_records
@@ -47,6 +48,7 @@ def pretokenize(data_cfg, out: str, shard_docs: int) -> None:
 
 def main(argv: list[str]) -> None:
   cfg, _ = parse_command_line(argv)
+  start_backends(cfg)
   if not _OUT.value:
     raise ConfigError('--out is required: the directory to write the ArrayRecord shards to.')
   pretokenize(cfg.data, _OUT.value, _SHARD_DOCS.value)

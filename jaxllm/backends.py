@@ -1,0 +1,107 @@
+"""Starting JAX's backends, and the GPUs a program is compiled for when none is present.
+
+XLA's GPU compiler ships in JAX's CUDA plugin and compiles for a GPU described by a target
+config (`jaxllm.hardware.Gpu`) on a machine that has no GPU at all ("deviceless"
+compilation): what it makes is the program that GPU would run, with its fusions, its
+collectives as they move and its buffer assignment. `analyze` and `tune` read that program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.metadata
+import importlib.util
+import os
+
+from ml_collections import ConfigDict
+
+from jaxllm.config import ConfigError
+from jaxllm.hardware import Hardware
+
+CUDA_PLUGINS = ('jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
+GPU_COMPILE_INSTALL = ('pip install "jaxllm[gpu-compile]" (in a checkout: '
+                       'pip install -e ".[gpu-compile]")')
+
+
+def start_backends(cfg: ConfigDict | None = None) -> None:
+  """Applies what JAX reads once, when its backends start: the platform and, from a run's
+  config, cpu_devices and xla_flags. Every command calls it before anything runs on a device."""
+  import jax
+  if cfg and cfg.cpu_devices:
+    jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
+  if cfg and cfg.xla_flags:
+    os.environ['XLA_FLAGS'] = f"{cfg.xla_flags} {os.environ.get('XLA_FLAGS', '')}".strip()
+  if not jax.config.jax_platforms and cuda_plugin_installed() and not nvidia_gpu_present():
+    # The plugin would fail its start-up check with a long traceback before JAX fell back to
+    # the CPU. Left out of the platforms, it still compiles for GPUs (`gpu_devices`).
+    jax.config.update('jax_platforms', 'cpu')
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether JAX's CUDA plugin is installed: it compiles for NVIDIA GPUs, present or not."""
+  return any(importlib.util.find_spec(name) for name in CUDA_PLUGINS)
+
+
+def nvidia_gpu_present() -> bool:
+  """Whether the machine shows an NVIDIA GPU: its driver's device files (WSL: /dev/dxg)."""
+  return bool(glob.glob('/dev/nvidia[0-9]*')) or os.path.exists('/dev/dxg')
+
+
+def installed_cudnn() -> tuple[int, int, int] | None:
+  """The version of the cuDNN wheel installed beside JAX, if any."""
+  for package in ('nvidia-cudnn-cu13', 'nvidia-cudnn-cu12'):
+    try:
+      version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      continue
+    return tuple(int(x) for x in (version.split('.') + ['0', '0'])[:3])
+  return None
+
+
+def gpu_devices(hardware: Hardware, count: int) -> list:
+  """`count` compile-only devices of the profile's GPU, in nodes of `devices_per_node`, one
+  host each (as a real run lays them out): what a step is lowered and compiled for."""
+  if not cuda_plugin_installed():
+    raise ConfigError(f'--hardware={hardware.name}: compiling the GPU program needs JAX\'s CUDA '
+                      f'plugin; install it with {GPU_COMPILE_INSTALL}, or pass --compiler=cpu '
+                      'to read the CPU compiler\'s program instead.')
+  per_node = hardware.devices_per_node
+  if count < 1 or (count > per_node and count % per_node):
+    raise ConfigError(f'--devices={count}: {hardware.name} nodes hold {per_node} GPUs; use '
+                      f'1 to {per_node}, or a multiple of {per_node}.')
+  nodes = max(1, count // per_node)
+  from jax.experimental import topologies
+  topology = topologies.get_topology_desc(
+      platform='cuda', topology=f'1x{nodes}x{count // nodes}',
+      target_config=hardware.gpu.target_config(hardware.memory, installed_cudnn()))
+  return topology.devices
+
+
+def is_compile_only(device) -> bool:
+  """Whether `device` only compiles (a GPU of `gpu_devices`), never runs anything."""
+  return device.client.runtime_type == 'compile_only_runtime'
+
+
+@contextlib.contextmanager
+def lowering_for(devices):
+  """Traces for `devices`: JAX's cuDNN attention asks the live backend (the CPU, in a
+  deviceless compile) for the GPU's compute capability before it offers Hopper-only
+  layouts; here the answer comes from the devices the program is compiled for."""
+  if not (devices and is_compile_only(devices[0])):
+    yield
+    return
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  target = tuple(int(x) for x in devices[0].compute_capability.split('.'))
+  parse = lambda capability: tuple(int(x) for x in capability.split('.'))
+  checks = {'check_compute_capability': lambda c: target >= parse(c),
+            'is_cuda_compute_capability_equal': lambda c: target == parse(c)}
+  saved = {name: getattr(cudnn_attention, name) for name in checks
+           if hasattr(cudnn_attention, name)}
+  for name in saved:
+    setattr(cudnn_attention, name, checks[name])
+  try:
+    yield
+  finally:
+    for name, check in saved.items():
+      setattr(cudnn_attention, name, check)

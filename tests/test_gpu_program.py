@@ -1,0 +1,216 @@
+"""The H100 program, compiled without a GPU: it compiles for the models users train, runs
+attention as cuDNN flash attention, moves what the compute dtype says, and its memory verdict
+is what a JAX process may really use. (Its traffic against the formulas: test_analyze.)"""
+
+import json
+import os
+
+import pytest
+
+from conftest import run_cli, small_config
+from jaxllm import backends, hlo
+from jaxllm.analyze import compile_step, report
+from jaxllm.config import ConfigError, load_config
+from jaxllm.hardware import PROFILES, usable_memory
+from jaxllm.model import available_attention
+
+pytestmark = pytest.mark.skipif(not backends.cuda_plugin_installed(),
+                                reason='needs JAX\'s CUDA plugin: pip install -e ".[dev]"')
+
+H100, A100 = PROFILES['h100-nvlink'], PROFILES['a100-80-nvlink']
+
+
+@pytest.fixture(scope='session')
+def h100s():
+  return backends.gpu_devices(H100, 8)
+
+
+def tiny(**overrides):
+  from conftest import REPO
+  cfg = load_config(os.path.join(REPO, 'configs', 'tiny.py'))
+  cfg.model.update({'dtype': 'bfloat16', 'attention': 'cudnn', **overrides})
+  return cfg
+
+
+@pytest.fixture(scope='session')
+def tiny_program(h100s):
+  """configs/tiny.py as users train it (packed file data, data=2 fsdp=2 tensor=2) in bf16 with
+  cuDNN attention, on 8 H100s."""
+  return compile_step(tiny(), h100s)
+
+
+def one_b_width(micro_batches: int):
+  """Llama-3.2-1B's width with 2 layers on one H100, 16 rows of 4096 tokens."""
+  from conftest import REPO
+  cfg = load_config(os.path.join(REPO, 'configs', 'llama3_1b.py'))
+  cfg.model.num_layers = 2
+  cfg.mesh.update(data=1, fsdp=1, pipe=1, tensor=1)
+  cfg.train.update(global_batch=16, micro_batches=micro_batches)
+  return cfg
+
+
+@pytest.fixture(scope='session')
+def one_b_program():
+  return compile_step(one_b_width(micro_batches=8), backends.gpu_devices(H100, 1))
+
+
+def test_the_program_is_the_h100s(tiny_program):
+  assert tiny_program.device.platform == 'gpu' and backends.is_compile_only(tiny_program.device)
+  assert tiny_program.device.device_kind == 'NVIDIA H100 80GB HBM3'
+  text = tiny_program.text
+  assert 'all-reduce-start' in text and '__triton_nested_gemm_fusion' in text  # async, Triton GEMMs
+
+
+def test_cudnn_flash_attention_runs_both_ways(tiny_program, one_b_program):
+  """Forward and backward are cuDNN flash kernels, one pair per layer per micro-batch (plus a
+  forward recomputed under remat='dots'). Packed rows reach the kernel as a dense [B,1,T,T]
+  bias (the segment mask; B = 16 rows / 4 shards); one sequence per row needs none."""
+  kernels = {k.target: k for k in hlo.fused_attention(tiny_program.text)}
+  assert set(kernels) == {'__cudnn$fmhaScaleBiasSoftmax', '__cudnn$fmhaScaleBiasSoftmaxBackward'}
+  for k in kernels.values():
+    assert k.flash and k.mask == 'CAUSAL' and k.bias == 'bf16[4,1,128,128]' and k.count == 4
+  forward = [k for k in hlo.fused_attention(one_b_program.text) if not k.backward]
+  backward = [k for k in hlo.fused_attention(one_b_program.text) if k.backward]
+  layers, micro = 2, 8
+  assert sum(k.count for k in forward) == 2 * layers * micro  # remat recomputes the forward
+  assert sum(k.count for k in backward) == layers * micro
+  assert all(k.flash and k.bias is None and k.mask == 'CAUSAL' for k in forward + backward)
+  # 2 rows × 32 heads × 4096² × 64 per kernel: 4× that forward, 10× backward, causal half.
+  per = 2 * 32 * 4096 * 4096 * 64
+  assert {k.flops for k in forward} == {2 * per} and {k.flops for k in backward} == {5 * per}
+
+
+def test_cudnn_attention_compiles_inside_the_pipeline(h100s):
+  """Inside the pipeline's shard_map (manual over pipe and the batch axes) JAX's partitioning
+  rule for cuDNN attention fails to compile; attention runs on local shards instead."""
+  cfg = tiny()
+  cfg.mesh.update(data=2, fsdp=1, pipe=2, tensor=2)
+  kernels = hlo.fused_attention(compile_step(cfg, h100s).text)
+  assert {k.target for k in kernels} == {'__cudnn$fmhaScaleBiasSoftmax',
+                                         '__cudnn$fmhaScaleBiasSoftmaxBackward'}
+  assert all(k.flash for k in kernels)
+
+
+def test_cudnn_falls_back_to_xla_attention_off_a_gpu():
+  assert available_attention(tiny().model, 'cpu') == 'xla'
+  assert available_attention(tiny().model, 'gpu') == 'cudnn'
+
+
+def tensor_all_reduces(compiled) -> dict[str, float]:
+  """Bytes of tensor-axis all-reduces per element type."""
+  found = {}
+  for c in hlo.collectives(compiled.text, compiled.mesh_shape, cpu=compiled.cpu):
+    if c.axes == ('tensor',) and c.kind == 'all-reduce':
+      found[c.dtype] = found.get(c.dtype, 0) + c.bytes
+  return found
+
+
+def test_bf16_compute_moves_bf16_activations_and_weights(tiny_program):
+  """The GPU moves what it computes in: the activation all-reduces over tensor (4 per layer)
+  and the layer weights gathered over fsdp are bf16. The CPU compiler computes bf16 in f32,
+  so its program of the same step moves f32."""
+  cfg, m = tiny_program.cfg, tiny_program.cfg.model
+  rows = cfg.train.global_batch // 4  # data × fsdp
+  activation = rows * cfg.data.seq_len * m.embed_dim * 2  # bf16
+  layer_all_reduces = 4 * m.num_layers * 2 * (2 - 1) / 2 * activation
+  assert tensor_all_reduces(tiny_program)['bf16'] >= layer_all_reduces
+  gathered = {c.dtype for c in hlo.collectives(tiny_program.text, tiny_program.mesh_shape,
+                                               cpu=False)
+              if c.axes == ('fsdp',) and c.kind == 'all-gather'}
+  assert 'bf16' in gathered
+  on_cpu = compile_step(tiny())
+  assert on_cpu.cpu and set(tensor_all_reduces(on_cpu)) == {'f32'}
+
+
+def test_memory_verdict_is_what_a_process_may_use(monkeypatch, one_b_program):
+  """The whole batch at once needs more than JAX lets a process take of an H100 by default
+  (75%), though less than the card: it does not fit, unless XLA_PYTHON_CLIENT_MEM_FRACTION
+  allows more. Accumulating over 8 micro-batches fits."""
+  whole = report(compile_step(one_b_width(micro_batches=1), backends.gpu_devices(H100, 1)), H100)
+  assert 0.75 * H100.memory < whole['memory']['peak'] < H100.memory
+  assert whole['memory']['usable'] == 0.75 * H100.memory and not whole['fits']
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.98')
+  assert usable_memory(H100) == (0.98 * H100.memory, 0.98)
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION')
+  accumulated = report(one_b_program, H100)
+  assert accumulated['fits'] and accumulated['memory']['peak'] < whole['memory']['peak'] / 3
+  # The buffer assignment holds the state and the batch as the step's arguments.
+  stats = one_b_program.executable.memory_analysis()
+  state = one_b_program.state_bytes['params'] + one_b_program.state_bytes['optimizer']
+  batch = 16 * 4096 * 4 * 4  # inputs, targets, positions, mask
+  assert stats.argument_size_in_bytes == pytest.approx(state + batch, abs=1024)
+
+
+def test_a_bad_mem_fraction_is_one_line(monkeypatch):
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '75')
+  with pytest.raises(ConfigError, match='XLA_PYTHON_CLIENT_MEM_FRACTION'):
+    usable_memory(H100)
+
+
+def test_cudnn_checks_ask_the_gpu_compiled_for():
+  """cuDNN flash attention takes a head dim of 256 on Hopper only. JAX asks the live backend
+  (here the CPU); the compile asks the GPU it is for, and a refusal is a config error."""
+  cfg = small_config(data=8)
+  cfg.model.update(num_heads=2, num_kv_heads=2, head_dim=256, dtype='bfloat16',
+                   attention='cudnn')
+  hopper = compile_step(cfg, backends.gpu_devices(H100, 8))
+  assert [k.flash for k in hlo.fused_attention(hopper.text)] == [True, True]
+  with pytest.raises(ConfigError, match=r"model.attention='cudnn' on NVIDIA A100.*256"):
+    compile_step(cfg, backends.gpu_devices(A100, 8))
+
+
+def test_without_the_plugin_a_gpu_profile_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(backends, 'cuda_plugin_installed', lambda: False)
+  with pytest.raises(ConfigError, match=r'pip install .*gpu-compile.*--compiler=cpu'):
+    backends.gpu_devices(H100, 8)
+
+
+def test_devices_fill_whole_nodes():
+  with pytest.raises(ConfigError, match='--devices=12'):
+    backends.gpu_devices(H100, 12)
+  devices = backends.gpu_devices(H100, 16)
+  assert len(devices) == 16 and len({d.process_index for d in devices}) == 2  # two hosts
+
+
+def test_analyze_json_and_dump_show_the_gpu_program(tmp_path):
+  dump = tmp_path / 'dump'
+  result = run_cli('--config', 'configs/tiny.py', '--json', '--dump', str(dump),
+                   '--config.model.attention=cudnn', '--config.model.dtype=bfloat16',
+                   module='jaxllm.analyze')
+  assert result.returncode == 0, result.stderr[-2000:]
+  r = json.loads(result.stdout)
+  assert r['mesh'] == dict(data=2, fsdp=2, pipe=1, tensor=2) and r['prediction']['step_s'] > 0
+  assert r['compiler']['platform'] == 'gpu' and r['compiler']['compile_only']
+  assert r['compiler']['device'] == 'NVIDIA H100 80GB HBM3'
+  assert {k['target'] for k in r['attention']['kernels']} >= {'__cudnn$fmhaScaleBiasSoftmax'}
+  assert ('tensor', 'bf16') in {(c['axes'][0], c['dtype']) for c in r['collectives']}
+  assert sorted(os.listdir(dump)) == ['program.hlo.txt', 'report.json', 'report.txt']
+  assert json.loads((dump / 'report.json').read_text()) == r
+  assert 'all-reduce-start' in (dump / 'program.hlo.txt').read_text()
+  assert 'cuDNN kernels' in (dump / 'report.txt').read_text()
+  before = {f: (dump / f).read_text() for f in os.listdir(dump)}
+  again = run_cli('--config', 'configs/tiny.py', '--dump', str(dump), module='jaxllm.analyze')
+  assert again.returncode == 2
+  assert again.stderr.strip().splitlines() == [
+      f'error: --dump {dump}: exists and is not an empty directory; name a new one.']
+  assert {f: (dump / f).read_text() for f in os.listdir(dump)} == before
+
+
+def test_tune_ranks_gpu_programs():
+  """tune's GPU path end to end (its ranking is test_analyze's, on the CPU's programs)."""
+  result = run_cli('--config', 'configs/tiny.py', '--devices', '1', '--remat', 'none',
+                   '--micro-batches', '1', module='jaxllm.tune')
+  assert result.returncode == 0, result.stderr[-2000:]
+  head, _, row = result.stdout.strip().splitlines()
+  assert head == ('1 candidates fit h100-nvlink (none left out); GPU: XLA\'s program for 1 × '
+                  'NVIDIA H100 80GB HBM3, compiled without a GPU; predicted, best first:')
+  assert row.split()[:7] == ['1', '1', '1', '1', '1', 'none', '1']
+
+
+def test_tune_measures_only_on_as_many_devices_as_present():
+  result = run_cli('--config', 'configs/tiny.py', '--devices', '16', '--measure', '1',
+                   module='jaxllm.tune')
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      'error: --measure runs the candidates on the devices present, 8 × cpu; rank for as many '
+      '(--devices 8) or leave --measure out.']
