@@ -15,7 +15,9 @@ import collections
 import math
 import sys
 
+import jax
 from absl import flags
+from ml_collections import ConfigDict
 
 from jaxllm import analyze, metrics
 from jaxllm.backends import gpu_devices, start_backends
@@ -67,14 +69,13 @@ def main(argv: list[str]) -> None:
   if not meshes:
     raise ConfigError('--mesh is required: one or more meshes, e.g. --mesh fsdp=8.')
   n = analyze.DEVICES.value
-  for mesh in meshes:
+  for text, mesh in zip(_MESH.value, meshes):
     if math.prod(mesh.values()) != n:
-      raise ConfigError(f'--mesh {mesh}: makes {math.prod(mesh.values())} devices, not '
-                        f'--devices={n}.')
+      raise ConfigError(f'--mesh {text}: makes {math.prod(mesh.values())} devices, not '
+                        f'--devices={n}; make them agree.')
   if 'cpu' in _COMPILERS.value:
     cfg.cpu_devices = n
   start_backends(cfg)
-  import jax
   hardware = hardware_profile(analyze.HARDWARE.value, analyze.DEVICE_MEMORY.value)
   devices = {'gpu': lambda: gpu_devices(hardware, n), 'cpu': lambda: jax.devices()[:n]}
   m = cfg.model
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> None:
   print('|---|---|---:|---:|---|---|---|---:|---:|')
   for mesh in meshes:
     for compiler in _COMPILERS.value:
-      c = cfg.copy_and_resolve_references()
+      c = ConfigDict(cfg)
       c.mesh.update(mesh)
       r = analyze.analyze(c, hardware, devices[compiler]())
       mem, pr = r['memory'], r['prediction']
