@@ -394,8 +394,9 @@ def fused_attention(hlo_text: str) -> list[FusedAttention]:
       target = re.search(r'custom_call_target="(__cudnn\$fmha\w*)"', inst.attrs)
       if inst.opcode != 'custom-call' or not target:
         continue
+      config = inst.attrs.replace(' ', '')  # the backend config's JSON, spaces dropped
       scores = re.search(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":'
-                         r'\[([^\]]*)\]', inst.attrs.replace(' ', ''))
+                         r'\[([^\]]*)\]', config)
       dims = [int(d) for d in re.findall(r'\d+', scores.group(1))] if scores else []
       start = inst.attrs.find('operand_layout_constraints=')
       operands = arrays(inst.attrs[start:_balanced(inst.attrs, inst.attrs.index('{', start))])
@@ -403,14 +404,12 @@ def fused_attention(hlo_text: str) -> list[FusedAttention]:
       mask = mask.group(1) if mask else 'NO_MASK'
       bias = next((f'{t}[{",".join(map(str, d))}]' for t, d in operands[3:]
                    if dims and len(d) == len(dims) and d[-2:] == tuple(dims[-2:])), None)
-      flops = 0.0
-      if dims and operands:
-        b_n_t_s = math.prod(dims)  # [B, N, T, S]
-        flops = (10 if target.group(1).endswith('Backward') else 4) * b_n_t_s * operands[0][1][-1]
-        flops *= 0.5 if 'CAUSAL' in mask else 1.0
-      found.append(FusedAttention(target.group(1), counts[comp],
-                                  '"is_flash_attention":true' in inst.attrs.replace(' ', ''),
-                                  mask, bias, flops))
+      kernel = FusedAttention(target.group(1), counts[comp],
+                              '"is_flash_attention":true' in config, mask, bias, 0.0)
+      if dims and operands:  # [B, N, T, S] scores, each of head dim H (q's last)
+        kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims) * operands[0][1][-1]
+                        * (0.5 if 'CAUSAL' in mask else 1.0))
+      found.append(kernel)
   return found
 
 
@@ -421,7 +420,7 @@ def largest_values(hlo_text: str, k: int = 5) -> list[tuple[int, str, str]]:
   fused = {m for insts in computations.values() for i in insts.values() if i.opcode == 'fusion'
            for m in re.findall(r'calls=%?([\w.\-]+)', i.attrs)}
   skip = ('parameter', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'call', 'conditional',
-          'constant', 'async-start', 'async-done', 'custom-call')
+          'constant', 'custom-call')
   seen = {}
   for comp, insts in computations.items():
     if comp in fused or not counts.get(comp):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import run_cli, small_config
+from conftest import REPO, run_cli, small_config
 from jaxllm import backends, hlo
 from jaxllm.analyze import compile_step, report
 from jaxllm.config import ConfigError, load_config
@@ -26,7 +26,6 @@ def h100s():
 
 
 def tiny(**overrides):
-  from conftest import REPO
   cfg = load_config(os.path.join(REPO, 'configs', 'tiny.py'))
   cfg.model.update({'dtype': 'bfloat16', 'attention': 'cudnn', **overrides})
   return cfg
@@ -41,7 +40,6 @@ def tiny_program(h100s):
 
 def one_b_width(micro_batches: int):
   """Llama-3.2-1B's width with 2 layers on one H100, 16 rows of 4096 tokens."""
-  from conftest import REPO
   cfg = load_config(os.path.join(REPO, 'configs', 'llama3_1b.py'))
   cfg.model.num_layers = 2
   cfg.mesh.update(data=1, fsdp=1, pipe=1, tensor=1)
