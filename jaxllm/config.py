@@ -72,10 +72,15 @@ def default_config() -> ConfigDict:
       init_std=0.02,
       dtype='float32',        # compute dtype of activations and matmuls
       param_dtype='float32',  # storage dtype of parameters and optimizer state
+      # element type weight gradients are summed in across the devices that split the batch
+      grad_reduce_dtype='float32',
       attention='xla',        # 'xla' everywhere, 'cudnn' fused flash attention on NVIDIA GPUs
       # 'none', 'full' (keep nothing), 'dots' (keep weight-matmul outputs) or
       # 'dots_except_mlp' (keep q, k, v and attention; recompute the MLP)
       remat='none',
+      # The loss makes logits this many positions at a time (0: the whole sequence at once);
+      # each chunk's [batch, loss_chunk, vocab] fp32 logits are remade in the backward.
+      loss_chunk=1024,
   ))
 
   # -1 means "whatever is left of the devices"; at most one axis may say so.
@@ -231,6 +236,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(m.attention, 'model.attention', ATTENTION_IMPLS)
   _choice(m.dtype, 'model.dtype', DTYPES)
   _choice(m.param_dtype, 'model.param_dtype', DTYPES)
+  _choice(m.grad_reduce_dtype, 'model.grad_reduce_dtype', DTYPES)
   _choice(cfg.data.source, 'data.source', DATA_SOURCES)
   _choice(cfg.data.format, 'data.format', DATA_FORMATS)
   if not 0 <= cfg.data.eval_fraction < 1:
@@ -252,6 +258,10 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
       raise ConfigError(f'model.{field}={m[field]} must be positive.')
   if m.head_dim % 2:
     raise ConfigError(f'model.head_dim={m.head_dim} must be even for rotary embeddings.')
+  if m.loss_chunk < 0 or (m.loss_chunk and cfg.data.seq_len > m.loss_chunk and
+                          cfg.data.seq_len % m.loss_chunk):
+    raise ConfigError(f'model.loss_chunk={m.loss_chunk} must divide data.seq_len='
+                      f'{cfg.data.seq_len} (or be 0 for the whole sequence at once).')
   if m.attention == 'cudnn' and m.dtype != 'bfloat16':
     raise ConfigError(f"model.attention='cudnn' computes in bfloat16, but model.dtype="
                       f"{m.dtype!r}; set model.dtype='bfloat16' or use model.attention='xla'.")

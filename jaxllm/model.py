@@ -7,6 +7,7 @@ K kv heads, H head dim, F mlp hidden, V vocab, L layers.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -17,12 +18,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict, FrozenConfigDict
 
-from jaxllm.mesh import constrain, logical_spec, spec_axes
+from jaxllm.mesh import constrain, keep_axes, logical_spec, spec_axes
 
 REMAT = {
     'full': jax.checkpoint_policies.nothing_saveable,
     # Keep the outputs of weight matmuls; recompute attention and elementwise work.
-    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'dots': jax.checkpoint_policies.save_only_these_names('projection'),
     # Keep q, k, v and the attention output; recompute the MLP, whose two [B,T,F] matmul
     # outputs are the largest activations (about 4× less saved than 'dots' at F = 4D).
     'dots_except_mlp': jax.checkpoint_policies.save_only_these_names(
@@ -119,6 +120,38 @@ def cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: LayerCache):
                                       implementation='xla')
 
 
+def project(spec: str, x, w, grad_dtype, out_dtype=None):
+  """`jnp.einsum(spec, x, w)` on x's dtype, w cast to it first (so an fsdp gather moves that
+  dtype), giving `out_dtype` (default x's). The backward runs both matmuls on x's dtype too and
+  makes w's gradient in `grad_dtype`: the gradient is summed over the devices that split the
+  batch straight out of its matmul, so this is the element type of that reduction.
+  The output is named 'projection' for the remat policies (REMAT)."""
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  return checkpoint_name(_project(spec, jnp.dtype(grad_dtype), out_dtype, x, w), 'projection')
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _project(spec, grad_dtype, out_dtype, x, w):
+  return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
+
+
+def _project_fwd(spec, grad_dtype, out_dtype, x, w):
+  return _project(spec, grad_dtype, out_dtype, x, w), (x, w)
+
+
+def _project_bwd(spec, grad_dtype, out_dtype, residuals, g):
+  x, w = residuals
+  x_axes, rest = spec.split(',')
+  w_axes, out_axes = rest.split('->')
+  g = g.astype(x.dtype)
+  dx = jnp.einsum(f'{out_axes},{w_axes}->{x_axes}', g, w.astype(x.dtype))
+  dw = jnp.einsum(f'{x_axes},{out_axes}->{w_axes}', x, g, preferred_element_type=grad_dtype)
+  return dx, dw.astype(w.dtype)
+
+
+_project.defvjp(_project_fwd, _project_bwd)
+
+
 class Attention(nnx.Module):
   """Grouped-query attention through `jax.nn.dot_product_attention`."""
 
@@ -135,10 +168,10 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
     """The attention output; with a `cache` (decoding), also the new tokens' keys and values."""
-    w = lambda p: p[...].astype(self.cfg.dtype)
-    q_BTNH = jnp.einsum('btd,dnh->btnh', x_BTD, w(self.wq_DNH))
-    k_BTKH = jnp.einsum('btd,dkh->btkh', x_BTD, w(self.wk_DKH))
-    v_BTKH = jnp.einsum('btd,dkh->btkh', x_BTD, w(self.wv_DKH))
+    mm = lambda spec, x, p: project(spec, x, p[...], self.cfg.grad_reduce_dtype)
+    q_BTNH = mm('btd,dnh->btnh', x_BTD, self.wq_DNH)
+    k_BTKH = mm('btd,dkh->btkh', x_BTD, self.wk_DKH)
+    v_BTKH = mm('btd,dkh->btkh', x_BTD, self.wv_DKH)
     # Names for the remat policies that keep some activations (REMAT).
     q_BTNH = checkpoint_name(constrain(q_BTNH, 'batch', 'seq', 'act_heads', None), 'q_proj')
     k_BTKH = checkpoint_name(constrain(k_BTKH, 'batch', 'seq', 'act_kv_heads', None), 'k_proj')
@@ -151,7 +184,7 @@ class Attention(nnx.Module):
     else:
       o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache)
     o_BTNH = checkpoint_name(constrain(o_BTNH, 'batch', 'seq', 'act_heads', None), 'attention')
-    out_BTD = jnp.einsum('btnh,nhd->btd', o_BTNH, w(self.wo_NHD))
+    out_BTD = mm('btnh,nhd->btd', o_BTNH, self.wo_NHD)
     return out_BTD if cache is None else (out_BTD, (k_BTKH, v_BTKH))
 
 
@@ -166,14 +199,14 @@ class MLP(nnx.Module):
     self.w_gate_DF = _param(rngs, init, (D, F), ('embed', 'mlp'), pd)
     self.w_up_DF = _param(rngs, init, (D, F), ('embed', 'mlp'), pd)
     self.w_down_FD = _param(rngs, out_init, (F, D), ('mlp', 'embed'), pd)
-    self.dtype = jnp.dtype(cfg.dtype)
+    self.grad_reduce_dtype = cfg.grad_reduce_dtype
 
   def __call__(self, x_BTD):
-    w = lambda p: p[...].astype(self.dtype)
-    gate_BTF = jnp.einsum('btd,df->btf', x_BTD, w(self.w_gate_DF))
-    up_BTF = jnp.einsum('btd,df->btf', x_BTD, w(self.w_up_DF))
+    mm = lambda spec, x, p: project(spec, x, p[...], self.grad_reduce_dtype)
+    gate_BTF = mm('btd,df->btf', x_BTD, self.w_gate_DF)
+    up_BTF = mm('btd,df->btf', x_BTD, self.w_up_DF)
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, 'batch', 'seq', 'act_mlp')
-    return jnp.einsum('btf,fd->btd', h_BTF, w(self.w_down_FD))
+    return mm('btf,fd->btd', h_BTF, self.w_down_FD)
 
 
 class Block(nnx.Module):
@@ -210,6 +243,165 @@ def sequence_positions(tokens_BT):
   return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
 
 
+def dividing_spec(x, *names) -> P:
+  """The PartitionSpec of `x`'s logical axis names, except that a dimension its mesh axes do
+  not divide (a small batch) stays whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return P(*(e if x.shape[i] % math.prod(mesh.shape[a] for a in spec_axes(e)) == 0 else None
+             for i, e in enumerate(logical_spec(*names))))
+
+
+def sharded_lookup(table_VD, tokens_BT, dtype):
+  """`table_VD[tokens_BT]` in `dtype`, without gathering the table.
+
+  Each device looks up, in its own block of vocabulary rows and embedding columns, the tokens
+  of every device that shares that block with it; the pieces are then summed over the vocabulary
+  split and handed back to the devices whose batch rows they are. Traffic is B·T·D, not V·D,
+  and the gradient is a scatter-add into each device's block: no dense [V, D] reduction.
+  Rows are cast to `dtype` after the lookup, so they move in it and the gradient is added into
+  the table in the table's own dtype.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return table_VD[tokens_BT].astype(dtype)
+  table_spec = logical_spec('vocab', 'embed')
+  vocab_axes, embed_axes = spec_axes(table_spec[0]), spec_axes(table_spec[1])
+  rows_spec = dividing_spec(tokens_BT, 'batch', None)
+  batch_axes = spec_axes(rows_spec[0])
+  # Columns are joined minor axis first, so they end in the spec's order; the batch rows are
+  # split back in the reverse of the order they were gathered in.
+  column_axes = embed_axes[::-1]
+  splits = [a for a in vocab_axes + column_axes if a in batch_axes]
+
+  def lookup(table_VD, tokens_BT):
+    for a in reversed(splits):
+      tokens_BT = jax.lax.all_gather(tokens_BT, a, axis=0, tiled=True)
+    rows = table_VD.shape[0]
+    local_BT = tokens_BT - (jax.lax.axis_index(vocab_axes) * rows if vocab_axes else 0)
+    mine_BT = (local_BT >= 0) & (local_BT < rows)
+    x_BTD = jnp.where(mine_BT[..., None], table_VD[jnp.where(mine_BT, local_BT, 0)], 0)
+    x_BTD = x_BTD.astype(dtype)
+    for a in vocab_axes:  # one device holds each token's row: the sums are exact
+      x_BTD = (jax.lax.psum_scatter(x_BTD, a, scatter_dimension=0, tiled=True)
+               if a in batch_axes else jax.lax.psum(x_BTD, a))
+    for a in column_axes:
+      x_BTD = (jax.lax.all_to_all(x_BTD, a, 0, 2, tiled=True) if a in batch_axes
+               else _join_columns(x_BTD, a))
+    return x_BTD
+
+  return jax.shard_map(lookup, in_specs=(table_spec, rows_spec),
+                       out_specs=P(rows_spec[0], None, None),
+                       axis_names=set(mesh.axis_names) - set(mesh.manual_axes))(table_VD, tokens_BT)
+
+
+def _join_columns(x, axis):
+  """All-gathers the last dimension over `axis` as a sum of zero-padded blocks, so the result
+  is known to be the same on every device of `axis` (as its out_specs says)."""
+  block = x.shape[-1]
+  whole = jnp.zeros((*x.shape[:-1], block * jax.lax.axis_size(axis)), x.dtype)
+  return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
+      whole, x, jax.lax.axis_index(axis) * block, axis=x.ndim - 1), axis)
+
+
+def _by_chunk(chunks: int, a):
+  """[B, T, ...] -> [chunks, B, T/chunks, ...] where chunk k takes positions k, k + chunks, ...:
+  cutting the minor axis leaves every device its own positions, however T is split."""
+  B, T = a.shape[:2]
+  return jnp.moveaxis(a.reshape(B, T // chunks, chunks, *a.shape[2:]), 2, 0)
+
+
+def _chunk_logits(x_BCD, w_DV):
+  logits_BCV = jnp.einsum('bcd,dv->bcv', x_BCD, w_DV, preferred_element_type=jnp.float32)
+  return constrain(logits_BCV, 'batch', 'seq', 'act_vocab')
+
+
+def _compute_copy(w_DV, dtype):
+  """The output head in the compute dtype, gathered once for every chunk (what fsdp split)."""
+  return constrain(w_DV.astype(dtype), None, 'vocab')
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def chunked_loss_sum(chunks: int, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT):
+  """sum(mask · cross_entropy(x·w, targets)) with [B, T/chunks, V] fp32 logits at a time.
+
+  Differentiated, each chunk's gradients are taken by hand as its loss is (the loss is the
+  last op, so they are known then): no logits are kept or remade for the backward, the head is
+  gathered once in the compute dtype, and its gradient is summed over the chunks in fp32 and
+  reduced across devices once, in `grad_dtype`."""
+  return _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads=False)[0]
+
+
+def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: bool):
+  """(loss sum, and with `grads` its gradients for x and w)."""
+  # Manual over the batch axes, so each device sums its rows' head gradient over the chunks
+  # before any reduction.
+  mesh = jax.sharding.get_abstract_mesh()
+  batch_entry = None if mesh.empty else logical_spec('batch')[0]
+  batch_axes = spec_axes(batch_entry)
+  embed_axes, vocab_axes = (spec_axes(e) for e in logical_spec('embed', 'vocab'))
+  scatter_axes = tuple(a for a in embed_axes if a in batch_axes)
+  sum_axes = tuple(a for a in batch_axes if a not in scatter_axes)
+  vocab_entry = keep_axes(P(vocab_axes), batch_axes)[0]
+  varying = (lambda a: jax.lax.pcast(a, batch_axes, to='varying')) if batch_axes else (
+      lambda a: a)
+
+  def local(x_BTD, w_c, targets_BT, mask_BT):
+    def chunk(carry, inputs):
+      total, dw_DV = carry
+      x_BCD, targets_BC, mask_BC = inputs
+      logits_BCV = _chunk_logits(x_BCD, w_c)
+      total += jnp.sum((jax.nn.logsumexp(logits_BCV, axis=-1) - jnp.take_along_axis(
+          logits_BCV, targets_BC[..., None], axis=-1)[..., 0]) * mask_BC)
+      if not grads:
+        return (total, dw_DV), None
+      onehot_BCV = jax.nn.one_hot(targets_BC, logits_BCV.shape[-1], dtype=jnp.float32)
+      dlogits_BCV = ((jax.nn.softmax(logits_BCV, axis=-1) - onehot_BCV) *
+                     mask_BC[..., None]).astype(x_BCD.dtype)
+      dw_DV += jnp.einsum('bcd,bcv->dv', x_BCD, dlogits_BCV, preferred_element_type=jnp.float32)
+      return (total, dw_DV), jnp.einsum('bcv,dv->bcd', dlogits_BCV, w_c)
+
+    zeros_DV = varying(jnp.zeros(w_c.shape if grads else (), jnp.float32))
+    (total, dw_DV), dx_BCD = jax.lax.scan(
+        chunk, (varying(jnp.float32(0)), zeros_DV),
+        [_by_chunk(chunks, a) for a in (x_BTD, targets_BT, mask_BT)])
+    total = jax.lax.psum(total, batch_axes) if batch_axes else total
+    if not grads:
+      return total, None, None
+    B, T, D = x_BTD.shape
+    dx_BTD = jnp.moveaxis(dx_BCD, 0, 2).reshape(B, T, D)  # undoes _by_chunk
+    dw_DV = dw_DV.astype(grad_dtype)
+    if scatter_axes:  # reduced once, and split as the head is
+      dw_DV = jax.lax.psum_scatter(dw_DV, scatter_axes, scatter_dimension=0, tiled=True)
+    if sum_axes:
+      dw_DV = jax.lax.psum(dw_DV, sum_axes)
+    return total, dx_BTD, dw_DV
+
+  if batch_axes:
+    rows = P(batch_entry, None)
+    local = jax.shard_map(
+        local, in_specs=(P(batch_entry, None, None), P(None, vocab_entry), rows, rows),
+        out_specs=(P(), P(batch_entry, None, None), P(scatter_axes or None, vocab_entry)),
+        axis_names=set(batch_axes))
+  total, dx_BTD, dw_DV = local(x_BTD, _compute_copy(w_DV, x_BTD.dtype), targets_BT, mask_BT)
+  if grads:
+    dw_DV = constrain(dw_DV, 'embed', 'vocab').astype(w_DV.dtype)
+  return total, dx_BTD, dw_DV
+
+
+def _chunked_loss_fwd(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT):
+  total, dx_BTD, dw_DV = _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT,
+                                       grads=True)
+  return total, (dx_BTD, dw_DV)
+
+
+def _chunked_loss_bwd(chunks, grad_dtype, residuals, g):
+  dx_BTD, dw_DV = residuals
+  return (g * dx_BTD).astype(dx_BTD.dtype), g * dw_DV, None, None
+
+
+chunked_loss_sum.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
+
+
 def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: str):
   """Causal attention inside each document, computed where the rows and heads are: rows
   split as the batch, heads as the head activations, each sequence whole. No shard then needs
@@ -223,13 +415,8 @@ def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: st
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-
-  def spec(x, *names):  # a dimension its mesh axes do not divide (a small batch) stays whole
-    return P(*(e if x.shape[i] % math.prod(mesh.shape[a] for a in spec_axes(e)) == 0 else None
-               for i, e in enumerate(logical_spec(*names))))
-
-  q_spec = spec(q_BTNH, 'batch', None, 'act_heads', None)
-  kv_spec = spec(k_BTKH, 'batch', None, 'act_kv_heads', None)
+  q_spec = dividing_spec(q_BTNH, 'batch', None, 'act_heads', None)
+  kv_spec = dividing_spec(k_BTKH, 'batch', None, 'act_kv_heads', None)
   if q_spec[2] != kv_spec[2]:  # a query head's kv head must be on its device
     q_spec, kv_spec = P(*q_spec[:2], None, None), P(*kv_spec[:2], None, None)
   rows = None if segment_ids_BT is None else P(q_spec[0], None)
@@ -303,10 +490,7 @@ class Transformer(nnx.Module):
                             ('embed', 'vocab'), pd)
 
   def embed(self, tokens_BT):
-    # Gather rows from a whole table (an all-gather under fsdp/tensor, as for any weight):
-    # a lookup into a sharded table makes the compiler replicate the activations instead.
-    table_VD = constrain(self.embed_VD[...], None, None)
-    x_BTD = table_VD[tokens_BT].astype(self.cfg.dtype)
+    x_BTD = sharded_lookup(self.embed_VD[...], tokens_BT, self.cfg.dtype)
     return constrain(x_BTD, 'batch', 'seq', 'act_embed')
 
   def layers(self, x_BTD, positions_BT, segment_ids_BT=None, cache: KVCache | None = None):
@@ -319,15 +503,21 @@ class Transformer(nnx.Module):
                        cache)
 
   def logits(self, x_BTD):
-    """Output logits in fp32, whatever the compute dtype."""
+    """Output logits in fp32 (from matmuls in the compute dtype)."""
     x_BTD = self.final_norm(x_BTD)
-    if self.cfg.tie_embeddings:
-      w_DV = self.embed_VD[...].T
-    else:
-      w_DV = self.head_DV[...]
-    logits_BTV = jnp.einsum('btd,dv->btv', x_BTD, w_DV.astype(x_BTD.dtype),
-                            preferred_element_type=jnp.float32)
+    w_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
+    logits_BTV = project('btd,dv->btv', x_BTD, w_DV, self.cfg.grad_reduce_dtype, jnp.float32)
     return constrain(logits_BTV, 'batch', 'seq', 'act_vocab')
+
+  def loss_sum(self, x_BTD, targets_BT, mask_BT):
+    """Next-token cross-entropy summed over the tokens `mask_BT` keeps, from the final
+    activations; the logits are made `loss_chunk` positions at a time (`chunked_loss_sum`)."""
+    w_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
+    T = x_BTD.shape[1]
+    chunks = T // self.cfg.loss_chunk if 0 < self.cfg.loss_chunk < T else 1
+    return chunked_loss_sum(chunks, jnp.dtype(self.cfg.grad_reduce_dtype),
+                            self.final_norm(x_BTD), w_DV, targets_BT,
+                            mask_BT.astype(jnp.float32))
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
     """Logits [B, T, V]. Packed rows give each token's position in its document and the

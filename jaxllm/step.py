@@ -71,10 +71,8 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
                             model.cfg.remat)
   else:
     x_BTD = model.layers(x_BTD, positions_BT, segment_ids_BT)
-  logits_BTV = model.logits(x_BTD)
-  losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch['targets'])
-  mask_BT = batch['mask'].astype(jnp.float32)
-  return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
+  mask_BT = batch['mask']
+  return model.loss_sum(x_BTD, batch['targets'], mask_BT), jnp.sum(mask_BT.astype(jnp.float32))
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,

@@ -10,7 +10,9 @@ from conftest import small_config
 from jaxllm.config import resolve_mesh
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.metrics import param_counts
-from jaxllm.model import Attention, Transformer, rope_frequencies
+from jaxllm.config import default_config
+from jaxllm.model import (Attention, Transformer, chunked_loss_sum, project, rope_frequencies,
+                          sharded_lookup)
 from jaxllm.step import loss_terms
 
 
@@ -229,3 +231,77 @@ def test_dots_except_mlp_keeps_less_than_dots(one_device):
     return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
 
   assert scratch_bytes('dots_except_mlp') < 0.75 * scratch_bytes('dots')
+
+
+@pytest.mark.parametrize('spec', ['btd,dnh->btnh', 'btnh,nhd->btd', 'btf,fd->btd'])
+def test_projection_gradients_match_autodiff(spec, one_device):
+  """`project` takes its gradients by hand (to choose their element type): in fp32 they are
+  autodiff's of the plain einsum."""
+  x_axes, rest = spec.split(',')
+  w_axes, out_axes = rest.split('->')
+  sizes = dict(b=2, t=3, d=4, n=2, h=5, f=6)
+  keys = jax.random.split(jax.random.key(0), 3)
+  x, w, ct = (jax.random.normal(k, [sizes[a] for a in axes])
+              for k, axes in zip(keys, (x_axes, w_axes, out_axes)))
+  got = jax.grad(lambda x, w: jnp.sum(project(spec, x, w, 'float32') * ct), (0, 1))(x, w)
+  want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * ct), (0, 1))(x, w)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('mesh, rules, rows', [
+    (dict(data=2, fsdp=2, tensor=2), {}, 8),
+    (dict(fsdp=8), {}, 8),
+    (dict(data=8), {}, 8),
+    (dict(data=2, fsdp=2, tensor=2), {}, 1),  # decoding: rows fewer than batch shards
+    (dict(fsdp=4, tensor=2), {'vocab': ('tensor', 'fsdp'), 'embed': ()}, 8),
+    (dict(data=2, fsdp=2, tensor=2), {'vocab': (), 'embed': ('tensor', 'fsdp')}, 8),
+    (dict(data=2, fsdp=2, tensor=2), {'vocab': ('data',), 'embed': ('fsdp', 'tensor')}, 8),
+])
+def test_embedding_lookup_matches_the_whole_table(mesh, rules, rows):
+  """Rows looked up where the table is split give the whole table's rows and its gradient."""
+  V, D, T = 64, 32, 6
+  keys = jax.random.split(jax.random.key(1), 3)
+  table = jax.random.normal(keys[0], (V, D))
+  tokens = jax.random.randint(keys[1], (rows, T), 0, V)
+  ct = jax.random.normal(keys[2], (rows, T, D))
+  np_table, np_tokens, np_ct = (np.asarray(a) for a in (table, tokens, ct))
+  want_grad = np.zeros_like(np_table)
+  np.add.at(want_grad, np_tokens, np_ct)  # each occurrence adds its row's cotangent
+  want = np.sum(np_table[np_tokens] * np_ct), want_grad
+  shape = {**dict(data=1, fsdp=1, pipe=1, tensor=1), **mesh}
+  all_rules = {**default_config().sharding.rules, **rules}
+  with sharding_context(make_mesh(shape), all_rules):
+    got = jax.jit(jax.value_and_grad(
+        lambda t: jnp.sum(sharded_lookup(t, tokens, jnp.float32) * ct)))(table)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+
+
+def _whole_logits_loss(x, w, targets, mask):
+  logits = jnp.einsum('btd,dv->btv', x, w)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * mask)
+
+
+@pytest.mark.parametrize('chunks', [1, 4])
+@pytest.mark.parametrize('mesh', [dict(), dict(data=2, fsdp=2, tensor=2)])
+def test_chunked_loss_equals_the_whole_logits(chunks, mesh):
+  """The loss made a chunk of positions at a time, with its hand-made gradients, equals
+  log-softmax over all the logits at once (fp32, 1e-6), masked tokens left out."""
+  B, T, D, V = 8, 16, 32, 96
+  keys = jax.random.split(jax.random.key(2), 3)
+  x = jax.random.normal(keys[0], (B, T, D))
+  w = jax.random.normal(keys[1], (D, V)) * 0.1
+  targets = jax.random.randint(keys[2], (B, T), 0, V)
+  mask = (jnp.arange(T) % 5 != 0).astype(jnp.float32) * jnp.ones((B, 1))
+  want = jax.value_and_grad(_whole_logits_loss, (0, 1))(x, w, targets, mask)
+  shape = {**dict(data=1, fsdp=1, pipe=1, tensor=1), **mesh}
+  with sharding_context(make_mesh(shape), default_config().sharding.rules):
+    got = jax.jit(jax.value_and_grad(
+        lambda x, w: chunked_loss_sum(chunks, jnp.float32, x, w, targets, mask),
+        (0, 1)))(x, w)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  for g, r in zip(got[1], want[1]):
+    assert g.shape == r.shape
+    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
