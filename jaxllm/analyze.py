@@ -66,7 +66,7 @@ class Compiled:
   pipeline: PipelineSpec | None
   state_bytes: dict[str, int]  # per device: 'params', 'optimizer'
   fsdp_split_bytes: int        # per device: of the params, those split over fsdp
-  lookup_only_bytes: int       # of those, the input embedding's when untied (see expected_bytes)
+  head_split_bytes: int        # of those, the output head's (the embedding table when tied)
   block_split_bytes: int       # of those, the layer stack's
   executable: jax.stages.Compiled
   device: jax.Device           # one of the devices it was compiled for (their kind, platform)
@@ -123,14 +123,12 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
                       f"{str(e).rstrip('.')}; use model.attention='xla' or change the model's "
                       'shapes.') from None
   executable = lowered.compile(COMPILE_OPTIONS)
-  fsdp_split = [x for x in jax.tree.leaves(state.params) if 'fsdp' in spec_axes_of(x.sharding)]
-  lookup_only = ([] if cfg.model.tie_embeddings else
-                 [x for x in [state.params['embed_VD']] if 'fsdp' in spec_axes_of(x.sharding)])
+  split = lambda xs: shard_bytes([x for x in xs if 'fsdp' in spec_axes_of(x.sharding)])
+  head = state.params['embed_VD' if cfg.model.tie_embeddings else 'head_DV']
   return Compiled(cfg, mesh_shape, pipeline,
                   {'params': shard_bytes(state.params), 'optimizer': shard_bytes(state.opt_state)},
-                  shard_bytes(fsdp_split), shard_bytes(lookup_only),
-                  shard_bytes([x for x in jax.tree.leaves(state.params['blocks'])
-                               if 'fsdp' in spec_axes_of(x.sharding)]), executable, devices[0])
+                  split(jax.tree.leaves(state.params)), split([head]),
+                  split(jax.tree.leaves(state.params['blocks'])), executable, devices[0])
 
 
 def spec_axes_of(sharding) -> set[str]:
@@ -140,12 +138,16 @@ def spec_axes_of(sharding) -> set[str]:
 def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   """Analytic bytes each device sends per step over each single mesh axis (performance-model.md).
 
-  data: a ring all-reduce of the gradients, 2(N−1)/N·P, once per step.
-  fsdp: all-gather in forward and backward and a reduce-scatter of the gradients, 3(N−1)/N·P
-    of the fsdp-split parameters, per micro-batch; gathered once, 2(N−1)/N·P, are an untied
-    input embedding (its backward is a scatter-add that needs no weights) and, under a
-    pipeline with gather_weights='step', the stage weights; the parameters fsdp does not
-    split (norm scales) are all-reduced, 2(N−1)/N·P. (No figure for gather_weights='iteration'.)
+  Weights move in the compute dtype, gradients in model.grad_reduce_dtype (`g·` below scales
+  parameter bytes to it; `a·` to the compute dtype).
+  data: a ring all-reduce of the gradients, 2(N−1)/N·g·P, once per step.
+  fsdp, per micro-batch: the layers' weights all-gathered in forward and backward and their
+    gradients reduce-scattered, (N−1)/N·(2a + g)·P; the output head gathered once (the loss
+    takes its gradients as it goes) and reduced, (N−1)/N·(a + g)·P; under a pipeline with
+    gather_weights='step' the stage weights likewise, once for all iterations; the embedding
+    lookup moves rows, not weights: the looked-up b·s·h forward and backward, 2(N−1)/N·b·s·h; the
+    parameters fsdp does not split (norm scales) are all-reduced, 2(N−1)/N·g·P.
+    (No figure for gather_weights='iteration'.)
   tensor: 4 all-reduces of b·s·h per layer and micro-batch (2 forward, 2 backward).
   pipe: b·s·h/M forward and backward in each of the R·M+S−1 iterations of the scanned
     schedule (bubble iterations shift too); and the whole b·s·h into the first stage (a
@@ -155,6 +157,8 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   cfg, shape = c.cfg, c.mesh_shape
   m, t = cfg.model, cfg.train
   act_bytes = jnp.dtype(m.dtype).itemsize
+  a = act_bytes / jnp.dtype(m.param_dtype).itemsize
+  g = jnp.dtype(m.grad_reduce_dtype).itemsize / jnp.dtype(m.param_dtype).itemsize
   shards = shape['data'] * shape['fsdp']
   rows = t.global_batch // t.micro_batches // shards  # b per micro-batch on one device
   bsh = rows * cfg.data.seq_len * m.embed_dim * act_bytes
@@ -162,16 +166,16 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   expected = {}
   n = shape['data']
   if n > 1:
-    expected[('data',)] = 2 * (n - 1) / n * params
+    expected[('data',)] = 2 * (n - 1) / n * g * params
   n = shape['fsdp']
   if n > 1 and not (c.pipeline and c.pipeline.gather_weights == 'iteration'):
-    # Whole (before the fsdp split) bytes gathered twice (forward, backward), once, or never.
-    twice = n * (c.fsdp_split_bytes - c.lookup_only_bytes)
-    once = n * c.lookup_only_bytes
-    if c.pipeline:  # gather_weights='step': stage weights gathered once for all iterations
-      twice, once = twice - n * c.block_split_bytes, once + n * c.block_split_bytes
+    # Whole bytes (before the fsdp split) of what is gathered twice and what once.
+    blocks, head = n * c.block_split_bytes, n * c.head_split_bytes
     unsplit = params - c.fsdp_split_bytes
-    expected[('fsdp',)] = t.micro_batches * (n - 1) / n * (3 * twice + 2 * once + 2 * unsplit)
+    # With gather_weights='step' the stage weights are gathered once for all iterations.
+    per_micro = ((a + g if c.pipeline else 2 * a + g) * blocks + (a + g) * head +
+                 2 * g * unsplit + 2 * bsh)
+    expected[('fsdp',)] = (n - 1) / n * t.micro_batches * per_micro
   n = shape['tensor']
   if n > 1:
     expected[('tensor',)] = 4 * m.num_layers * t.micro_batches * 2 * (n - 1) / n * bsh

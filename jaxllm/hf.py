@@ -33,6 +33,7 @@ from jaxllm.backends import start_backends
 from jaxllm.checkpoint import SHAPE_FIELDS, params_target, restore_params, saved_config
 from jaxllm.config import ConfigError, default_config, main_guard
 from jaxllm.mesh import make_mesh
+from jaxllm.model import available_attention
 
 CONFIG_FILE = 'config.json'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -96,7 +97,8 @@ def _rope(hf: dict, path: str) -> tuple[float, dict]:
 def model_config(path: str) -> ConfigDict:
   """jaxllm's `model` config section for the checkpoint at `path`: the defaults, with every
   field the checkpoint decides set from its config.json. A bfloat16 checkpoint gives bfloat16
-  parameters and compute, any other float32."""
+  parameters and compute, any other float32; bfloat16 compute takes cuDNN's fused attention
+  when JAX runs on GPUs."""
   hf = _read_hf_config(path)
   req = lambda key: _required(hf, key, path)
   heads = int(req('num_attention_heads'))
@@ -116,7 +118,9 @@ def model_config(path: str) -> ConfigDict:
       norm_eps=float(hf.get('rms_norm_eps', 1e-6)),  # transformers' default
       tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
       param_dtype=param_dtype,
-      dtype=param_dtype)
+      dtype=param_dtype,
+      attention='cudnn' if param_dtype == 'bfloat16' else 'xla')
+  cfg.attention = available_attention(cfg, jax.default_backend())
   cfg.rope_scaling.update(scaling)
   return cfg
 

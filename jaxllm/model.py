@@ -312,7 +312,9 @@ def _by_chunk(chunks: int, a):
 
 def _chunk_logits(x_BCD, w_DV):
   logits_BCV = jnp.einsum('bcd,dv->bcv', x_BCD, w_DV, preferred_element_type=jnp.float32)
-  return constrain(logits_BCV, 'batch', 'seq', 'act_vocab')
+  # Positions stay split as they come (over 'pipe' after a pipeline).
+  batch, _, vocab = logical_spec('batch', None, 'act_vocab')
+  return jax.lax.with_sharding_constraint(logits_BCV, P(batch, P.UNCONSTRAINED, vocab))
 
 
 def _compute_copy(w_DV, dtype):

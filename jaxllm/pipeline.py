@@ -15,13 +15,14 @@ on its device); `to_stage_order` and `from_stage_order` convert from and to laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import MESH_AXES, pipeline_shape
+from jaxllm.config import pipeline_shape
 from jaxllm.mesh import keep_axes, logical_spec, spec_axes, split_micro_batches
 from jaxllm.model import scan_blocks
 
@@ -75,41 +76,34 @@ def from_stage_order(tree, stages: int, repeats: int):
 
 
 def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spec: PipelineSpec,
-                    remat: str):
+                    model_cfg):
   """The block stack run as a pipeline; equals `scan_blocks` over the layers in order.
 
-  `segment_ids_BT` may be None (one sequence per row)."""
+  `segment_ids_BT` may be None (one sequence per row). Weights are gathered in the model's
+  compute dtype and their gradients reduced in its grad_reduce_dtype."""
+  remat, compute_dtype, grad_dtype = model_cfg.remat, model_cfg.dtype, model_cfg.grad_reduce_dtype
   S, R, M = spec.stages, spec.repeats, spec.microbatches
   graphdef, stacked = nnx.split(blocks)
   # The pipeline is manual over 'pipe' and the batch axes (data, fsdp): each device then sums
   # its weight gradients over all micro-batches locally, and they are reduced across the
-  # batch axes once per step, where they leave the shard_map. 'tensor' stays with the compiler.
+  # batch axes once per step. 'tensor' stays with the compiler.
   batch_axes = spec_axes(logical_spec('batch')[0])
   manual = {'pipe', *batch_axes}
   # Stored stage-major, so [L] -> [S, R, L/(S·R)] keeps each stage's layers where they are.
   staged = jax.tree.map(lambda w: w.reshape(S, R, -1, *w.shape[1:]), stacked)
-  staged_specs = jax.tree.map(lambda s: P(s[0], None, None, *s[1:]),
-                              nnx.get_partition_spec(stacked))
-  if spec.gather_weights == 'step':
-    # Gather what fsdp split once, here; its gradient is reduce-scattered once, here too.
-    staged_specs = jax.tree.map(lambda s: keep_axes(s, set(MESH_AXES) - set(batch_axes)),
-                                staged_specs)
-    staged = jax.tree.map(jax.lax.with_sharding_constraint, staged, staged_specs)
-  in_specs = jax.tree.map(lambda s: keep_axes(s, manual), staged_specs)
-
-  def gather_layer(w, s: P):
-    """All-gathers the batch-axis pieces of one layer's weight (per-iteration mode)."""
-    for dim, entry in enumerate(s[3:], start=1):
-      for axis in reversed(spec_axes(entry)):
-        w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
-    return w
+  in_specs = jax.tree.map(lambda s: keep_axes(P(s[0], None, None, *s[1:]), manual),
+                          nnx.get_partition_spec(stacked))
+  # What fsdp split of each weight is gathered in the compute dtype, as (dimension, axis).
+  gather = lambda w, s: gather_for_compute(
+      w, tuple((dim, axis) for dim, entry in enumerate(s) for axis in reversed(spec_axes(entry))
+               if axis in batch_axes), jnp.dtype(compute_dtype), jnp.dtype(grad_dtype))
 
   def run_stage(staged, repeat, x_BTD, rows_info):
-    layers = jax.tree.map(lambda w: w[repeat], staged)
     if spec.gather_weights == 'iteration':
       # Tie the gather to this iteration's input, or the compiler hoists it out of the loop.
-      layers, x_BTD = jax.lax.optimization_barrier((layers, x_BTD))
-      layers = jax.tree.map(gather_layer, layers, in_specs)
+      staged, x_BTD = jax.lax.optimization_barrier((staged, x_BTD))
+      staged = jax.tree.map(gather, staged, in_specs)
+    layers = jax.tree.map(lambda w: w[0, repeat], staged)  # this device's stage
     return scan_blocks(graphdef, layers, x_BTD, *rows_info, remat)
 
   # Keep only each iteration's stage input for the backward pass; the stage's own remat
@@ -118,7 +112,8 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
                              prevent_cse=False)
 
   def stages_fn(staged, x_M, info_M):
-    staged = jax.tree.map(lambda w: w[0], staged)  # this device's stage: [R, L/(S·R), ...]
+    if spec.gather_weights == 'step':  # once, for every iteration
+      staged = jax.tree.map(gather, staged, in_specs)
     stage = jax.lax.axis_index('pipe')
     is_first, is_last = stage == 0, stage == S - 1
     ring = [(i, (i + 1) % S) for i in range(S)]
@@ -159,3 +154,30 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
                       check_vma=False)(staged, split_micro_batches(x_BTD, M), info_M)
   y_M = out[S - 1]
   return y_M.swapaxes(0, 1).reshape(x_BTD.shape)  # undoes split_micro_batches
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_for_compute(w, pieces, compute_dtype, grad_dtype):
+  """`w` all-gathered over its batch-axis `pieces` [(dimension, axis), ...], moving in
+  `compute_dtype`. The result keeps w's dtype (holding compute_dtype's values), so the
+  gradients of every pipeline iteration add up in it; their sum is reduce-scattered back once,
+  in `grad_dtype`."""
+  x = w.astype(compute_dtype)
+  for dim, axis in pieces:
+    x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+  return x.astype(w.dtype)
+
+
+def _gather_fwd(w, pieces, compute_dtype, grad_dtype):
+  return gather_for_compute(w, pieces, compute_dtype, grad_dtype), None
+
+
+def _gather_bwd(pieces, compute_dtype, grad_dtype, _, g):
+  dtype = g.dtype
+  g = g.astype(grad_dtype)
+  for dim, axis in reversed(pieces):
+    g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+  return (g.astype(dtype),)
+
+
+gather_for_compute.defvjp(_gather_fwd, _gather_bwd)

@@ -68,7 +68,7 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
   x_BTD = model.embed(tokens_BT)
   if pipeline:
     x_BTD = pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, pipeline,
-                            model.cfg.remat)
+                            model.cfg)
   else:
     x_BTD = model.layers(x_BTD, positions_BT, segment_ids_BT)
   mask_BT = batch['mask']

@@ -103,6 +103,12 @@ def tensor_all_reduces(compiled) -> dict[str, float]:
   return found
 
 
+def fsdp_dtypes(compiled, kind: str) -> set[str]:
+  """Element types of the fsdp-axis collectives of one kind."""
+  return {c.dtype for c in hlo.collectives(compiled.text, compiled.mesh_shape, cpu=False)
+          if c.axes == ('fsdp',) and c.kind == kind}
+
+
 def test_bf16_compute_moves_bf16_activations_and_weights(tiny_program):
   """The GPU moves what it computes in: the activation all-reduces over tensor (4 per layer)
   and the layer weights gathered over fsdp are bf16. The CPU compiler computes bf16 in f32,
@@ -112,10 +118,7 @@ def test_bf16_compute_moves_bf16_activations_and_weights(tiny_program):
   activation = rows * cfg.data.seq_len * m.embed_dim * 2  # bf16
   layer_all_reduces = 4 * m.num_layers * 2 * (2 - 1) / 2 * activation
   assert tensor_all_reduces(tiny_program)['bf16'] >= layer_all_reduces
-  gathered = {c.dtype for c in hlo.collectives(tiny_program.text, tiny_program.mesh_shape,
-                                               cpu=False)
-              if c.axes == ('fsdp',) and c.kind == 'all-gather'}
-  assert 'bf16' in gathered
+  assert fsdp_dtypes(tiny_program, 'all-gather') == {'bf16', 's32'}  # weights; token ids
   on_cpu = compile_step(tiny())
   assert on_cpu.cpu and set(tensor_all_reduces(on_cpu)) == {'f32'}
 
@@ -212,3 +215,55 @@ def test_tune_measures_only_on_as_many_devices_as_present():
   assert result.stderr.strip().splitlines() == [
       'error: --measure runs the candidates on the devices present, 8 × cpu; rank for as many '
       '(--devices 8) or leave --measure out.']
+
+
+def test_weight_gradients_reduce_in_grad_reduce_dtype(tiny_program, h100s):
+  """Weights are gathered in bf16, but their gradients are made and reduce-scattered in fp32
+  unless model.grad_reduce_dtype says otherwise."""
+  assert fsdp_dtypes(tiny_program, 'reduce-scatter') == {'f32'}
+  bf16_grads = compile_step(tiny(grad_reduce_dtype='bfloat16'), h100s)
+  assert fsdp_dtypes(bf16_grads, 'reduce-scatter') == {'bf16'}
+  assert fsdp_dtypes(bf16_grads, 'all-gather') == {'bf16', 's32'}
+
+
+def test_embedding_table_is_never_gathered(tiny_program):
+  """The lookup moves rows (an all-to-all over fsdp), not the [V, D] table: no collective
+  carries a table-sized array (320 × 128, or its tensor half)."""
+  m = tiny_program.cfg.model
+  table_shapes = {f'[{v},{m.embed_dim}]' for v in (m.vocab_size, m.vocab_size // 2)}
+  collective_lines = [line for line in tiny_program.text.splitlines()
+                      if any(f' {k}' in line for k in ('all-gather', 'all-reduce', 'reduce-scatter'))]
+  assert not [line for line in collective_lines if any(s in line for s in table_shapes)]
+  assert fsdp_dtypes(tiny_program, 'all-to-all') == {'bf16'}
+
+
+def test_logits_exist_one_chunk_at_a_time(one_b_program):
+  """The 1B-width program (2 rows of 4096 per micro-batch, vocabulary 128,256) holds fp32
+  logits for model.loss_chunk = 1024 positions at a time, never for the whole sequence."""
+  V = one_b_program.cfg.model.vocab_size
+  shapes = [shape for _, shape, _ in hlo.largest_values(one_b_program.text, k=1000)
+            if shape.endswith(f',{V}]')]
+  assert 'f32[2,1024,128256]' in shapes
+  assert not [s for s in shapes if ',4096,' in s]
+
+
+@pytest.fixture(scope='session')
+def pipeline_program(h100s):
+  """tiny as a pipeline over pipe=2, with data=2 × fsdp=2 (packed, bf16, cuDNN)."""
+  cfg = tiny()
+  cfg.mesh.update(data=2, fsdp=2, pipe=2, tensor=1)
+  return compile_step(cfg, h100s)
+
+
+@pytest.mark.parametrize('gather', ['step', 'iteration'])
+def test_pipeline_gathers_stage_weights_in_bf16(gather, pipeline_program, h100s):
+  """Under the pipeline too, stage weights cross fsdp in bf16 and their gradients in fp32."""
+  compiled = pipeline_program
+  if gather == 'iteration':
+    cfg = tiny()
+    cfg.mesh.update(data=2, fsdp=2, pipe=2, tensor=1)
+    cfg.pipeline.gather_weights = 'iteration'
+    compiled = compile_step(cfg, h100s)
+  assert fsdp_dtypes(compiled, 'all-gather') == {'bf16', 's32'}
+  assert fsdp_dtypes(compiled, 'reduce-scatter') == {'f32'}
+

@@ -66,7 +66,7 @@ def test_pipeline_equals_plain_stack(stages, repeats, microbatches, plain_stack)
     # The pipeline stores circular layers stage-major; converting inside the loss returns
     # the gradients in layer order, comparable with the reference.
     model = nnx.merge(graphdef, to_stage_order(params, stages, repeats))
-    return pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, spec, 'none')
+    return pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, spec, model.cfg)
 
   (loss, grads), (ref_loss, ref_grads) = loss_and_grads(cfg, mesh, pipelined), plain_stack
   assert np.isfinite(loss)
