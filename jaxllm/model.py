@@ -317,11 +317,6 @@ def _chunk_logits(x_BCD, w_DV):
   return jax.lax.with_sharding_constraint(logits_BCV, P(batch, P.UNCONSTRAINED, vocab))
 
 
-def _compute_copy(w_DV, dtype):
-  """The output head in the compute dtype, gathered once for every chunk (what fsdp split)."""
-  return constrain(w_DV.astype(dtype), None, 'vocab')
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def chunked_loss_sum(chunks: int, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT):
   """sum(mask · cross_entropy(x·w, targets)) with [B, T/chunks, V] fp32 logits at a time.
@@ -347,7 +342,12 @@ def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: b
   varying = (lambda a: jax.lax.pcast(a, batch_axes, to='varying')) if batch_axes else (
       lambda a: a)
 
-  def local(x_BTD, w_c, targets_BT, mask_BT):
+  def local(x_BTD, w_DV, targets_BT, mask_BT):
+    # The head in the compute dtype, gathered once for every chunk (what fsdp split).
+    w_c = w_DV.astype(x_BTD.dtype)
+    if scatter_axes:
+      w_c = jax.lax.all_gather(w_c, scatter_axes, axis=0, tiled=True)
+
     def chunk(carry, inputs):
       total, dw_DV = carry
       x_BCD, targets_BC, mask_BC = inputs
@@ -362,7 +362,8 @@ def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: b
       dw_DV += jnp.einsum('bcd,bcv->dv', x_BCD, dlogits_BCV, preferred_element_type=jnp.float32)
       return (total, dw_DV), jnp.einsum('bcv,dv->bcd', dlogits_BCV, w_c)
 
-    zeros_DV = varying(jnp.zeros(w_c.shape if grads else (), jnp.float32))
+    zeros_DV = jnp.zeros(w_c.shape, jnp.float32) if grads else jnp.float32(0)
+    zeros_DV = varying(constrain(zeros_DV, None, 'vocab') if grads else zeros_DV)
     (total, dw_DV), dx_BCD = jax.lax.scan(
         chunk, (varying(jnp.float32(0)), zeros_DV),
         [_by_chunk(chunks, a) for a in (x_BTD, targets_BT, mask_BT)])
@@ -381,10 +382,11 @@ def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: b
   if batch_axes:
     rows = P(batch_entry, None)
     local = jax.shard_map(
-        local, in_specs=(P(batch_entry, None, None), P(None, vocab_entry), rows, rows),
+        local, in_specs=(P(batch_entry, None, None), P(scatter_axes or None, vocab_entry), rows,
+                         rows),
         out_specs=(P(), P(batch_entry, None, None), P(scatter_axes or None, vocab_entry)),
         axis_names=set(batch_axes))
-  total, dx_BTD, dw_DV = local(x_BTD, _compute_copy(w_DV, x_BTD.dtype), targets_BT, mask_BT)
+  total, dx_BTD, dw_DV = local(x_BTD, constrain(w_DV, 'embed', 'vocab'), targets_BT, mask_BT)
   if grads:
     dw_DV = constrain(dw_DV, 'embed', 'vocab').astype(w_DV.dtype)
   return total, dx_BTD, dw_DV
