@@ -38,12 +38,12 @@ def tiny_program(h100s):
   return compile_step(tiny(), h100s)
 
 
-def one_b_width(micro_batches: int):
-  """Llama-3.2-1B's width with 2 layers on one H100, 16 rows of 4096 tokens."""
+def one_b_width(micro_batches: int, rows: int = 16):
+  """Llama-3.2-1B's width with 2 layers on one H100, `rows` rows of 4096 tokens."""
   cfg = load_config(os.path.join(REPO, 'configs', 'llama3_1b.py'))
   cfg.model.num_layers = 2
   cfg.mesh.update(data=1, fsdp=1, pipe=1, tensor=1)
-  cfg.train.update(global_batch=16, micro_batches=micro_batches)
+  cfg.train.update(global_batch=rows, micro_batches=micro_batches)
   return cfg
 
 
@@ -124,16 +124,17 @@ def test_bf16_compute_moves_bf16_activations_and_weights(tiny_program):
 
 
 def test_memory_verdict_is_what_a_process_may_use(monkeypatch, one_b_program):
-  """The whole batch at once needs more than JAX lets a process take of an H100 by default
-  (75%), though less than the card: it does not fit, unless XLA_PYTHON_CLIENT_MEM_FRACTION
+  """The whole batch (48 rows) at once needs more than JAX lets a process take of an H100 by
+  default (75%), though less than the card: it does not fit, unless XLA_PYTHON_CLIENT_MEM_FRACTION
   allows more. Accumulating over 8 micro-batches fits."""
-  whole = report(compile_step(one_b_width(micro_batches=1), backends.gpu_devices(H100, 1)), H100)
+  one_h100 = backends.gpu_devices(H100, 1)
+  whole = report(compile_step(one_b_width(micro_batches=1, rows=48), one_h100), H100)
   assert 0.75 * H100.memory < whole['memory']['peak'] < H100.memory
   assert whole['memory']['usable'] == 0.75 * H100.memory and not whole['fits']
   monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.98')
   assert usable_memory(H100) == (0.98 * H100.memory, 0.98)
   monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION')
-  accumulated = report(one_b_program, H100)
+  accumulated = report(compile_step(one_b_width(micro_batches=8, rows=48), one_h100), H100)
   assert accumulated['fits'] and accumulated['memory']['peak'] < whole['memory']['peak'] / 3
   # The buffer assignment holds the state and the batch as the step's arguments.
   stats = one_b_program.executable.memory_analysis()
