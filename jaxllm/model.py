@@ -333,8 +333,10 @@ def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: b
   # Manual over the batch axes, so each device sums its rows' head gradient over the chunks
   # before any reduction.
   mesh = jax.sharding.get_abstract_mesh()
-  batch_entry = None if mesh.empty else logical_spec('batch')[0]
-  batch_axes = spec_axes(batch_entry)
+  # (Axes of size 1 are left out: XLA's partitioner rejects collectives over them here.)
+  batch_axes = () if mesh.empty else tuple(
+      a for a in spec_axes(logical_spec('batch')[0]) if mesh.shape[a] > 1)
+  batch_entry = batch_axes or None
   embed_axes, vocab_axes = (spec_axes(e) for e in logical_spec('embed', 'vocab'))
   scatter_axes = tuple(a for a in embed_axes if a in batch_axes)
   sum_axes = tuple(a for a in batch_axes if a not in scatter_axes)

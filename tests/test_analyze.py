@@ -34,8 +34,8 @@ def comm_config(**mesh):
 @pytest.mark.parametrize('mesh, low, high', [
     (dict(data=8), 0.999, 1.001),
     (dict(pipe=2, data=4), 0.999, 1.001),
-    (dict(fsdp=8), 0.9, 1.0),
-    (dict(tensor=8), 1.0, 1.1),
+    (dict(fsdp=8), 0.99, 1.01),  # token ids (int32) are the only bytes no formula counts
+    (dict(tensor=8), 1.0, 1.15),  # the vocabulary-split loss adds a few per chunk
 ])
 def test_compiled_collective_bytes_match_the_formulas(mesh, low, high, compiler):
   if compiler == 'gpu' and not backends.cuda_plugin_installed():
