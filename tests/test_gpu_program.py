@@ -3,6 +3,7 @@ attention as cuDNN flash attention, moves what the compute dtype says, and its m
 is what a JAX process may really use. (Its traffic against the formulas: test_analyze.)"""
 
 import json
+import math
 import os
 
 import pytest
@@ -242,10 +243,10 @@ def test_logits_exist_one_chunk_at_a_time(one_b_program):
   """The 1B-width program (2 rows of 4096 per micro-batch, vocabulary 128,256) holds fp32
   logits for model.loss_chunk = 1024 positions at a time, never for the whole sequence."""
   V = one_b_program.cfg.model.vocab_size
-  shapes = [shape for _, shape, _ in hlo.largest_values(one_b_program.text, k=1000)
-            if shape.endswith(f',{V}]')]
-  assert 'f32[2,1024,128256]' in shapes
-  assert not [s for s in shapes if ',4096,' in s]
+  positions = {math.prod(int(d) for d in shape.split('[')[1].rstrip(']').split(',')[:-1])
+               for _, shape, _ in hlo.largest_values(one_b_program.text, k=1000)
+               if shape.startswith('f32[') and shape.endswith(f',{V}]')}
+  assert max(positions) == 2 * 1024  # rows × chunk positions, however XLA lays them out
 
 
 @pytest.fixture(scope='session')
