@@ -78,8 +78,9 @@ def default_config() -> ConfigDict:
       # 'none', 'full' (keep nothing), 'dots' (keep weight-matmul outputs) or
       # 'dots_except_mlp' (keep q, k, v and attention; recompute the MLP)
       remat='none',
-      # The loss makes logits this many positions at a time (0: the whole sequence at once);
-      # each chunk's [batch, loss_chunk, vocab] fp32 logits are remade in the backward.
+      # The loss makes logits this many positions at a time (0: the whole sequence at once),
+      # taking each chunk's gradients as it goes: one [batch, loss_chunk, vocab] fp32 chunk
+      # exists at a time, and nothing is recomputed in the backward.
       loss_chunk=1024,
   ))
 

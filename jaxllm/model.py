@@ -510,20 +510,22 @@ class Transformer(nnx.Module):
 
   def logits(self, x_BTD):
     """Output logits in fp32 (from matmuls in the compute dtype)."""
-    x_BTD = self.final_norm(x_BTD)
-    w_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
-    logits_BTV = project('btd,dv->btv', x_BTD, w_DV, self.cfg.grad_reduce_dtype, jnp.float32)
+    logits_BTV = project('btd,dv->btv', self.final_norm(x_BTD), self.head(),
+                         self.cfg.grad_reduce_dtype, jnp.float32)
     return constrain(logits_BTV, 'batch', 'seq', 'act_vocab')
 
   def loss_sum(self, x_BTD, targets_BT, mask_BT):
     """Next-token cross-entropy summed over the tokens `mask_BT` keeps, from the final
     activations; the logits are made `loss_chunk` positions at a time (`chunked_loss_sum`)."""
-    w_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
     T = x_BTD.shape[1]
     chunks = T // self.cfg.loss_chunk if 0 < self.cfg.loss_chunk < T else 1
     return chunked_loss_sum(chunks, jnp.dtype(self.cfg.grad_reduce_dtype),
-                            self.final_norm(x_BTD), w_DV, targets_BT,
+                            self.final_norm(x_BTD), self.head(), targets_BT,
                             mask_BT.astype(jnp.float32))
+
+  def head(self):
+    """The output head [D, V]: the embedding table's transpose when they are tied."""
+    return self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
     """Logits [B, T, V]. Packed rows give each token's position in its document and the
