@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import MESH_AXES, pipeline_shape
 from jaxllm.mesh import keep_axes, logical_spec, spec_axes, split_micro_batches
-from jaxllm.model import scan_blocks
+from jaxllm.model import scan_blocks, stack_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +105,19 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
     return w
 
   def run_stage(staged, repeat, x_BTD, rows_info):
-    layers = jax.tree.map(lambda w: w[repeat], staged)
+    # With one repeat the slice is fixed: the weights stay loop invariants, which the
+    # backward pass reads without a copy per iteration.
+    layers = jax.tree.map(lambda w: w[0] if R == 1 else w[repeat], staged)
     if spec.gather_weights == 'iteration':
       # Tie the gather to this iteration's input, or the compiler hoists it out of the loop.
       layers, x_BTD = jax.lax.optimization_barrier((layers, x_BTD))
       layers = jax.tree.map(gather_layer, layers, in_specs)
     return scan_blocks(graphdef, layers, x_BTD, *rows_info, remat)
 
-  # Keep only each iteration's stage input for the backward pass; the stage's own remat
-  # policy applies when it is recomputed.
-  run_stage = jax.checkpoint(run_stage, policy=jax.checkpoint_policies.nothing_saveable,
-                             prevent_cse=False)
+  if R > 1 or spec.gather_weights == 'iteration':
+    # Weights sliced or gathered anew in every iteration are recomputed for the backward pass
+    # instead of kept once per iteration; everything else is kept as model.remat says.
+    run_stage = jax.checkpoint(run_stage, policy=stack_policy(remat), prevent_cse=False)
 
   def stages_fn(staged, x_M, info_M):
     staged = jax.tree.map(lambda w: w[0], staged)  # this device's stage: [R, L/(S·R), ...]
