@@ -27,12 +27,25 @@ import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+
+def cudnn_attention_outputs(prim, *_, **__) -> bool:
+  """cuDNN's fused attention forward: its output and softmax statistics, all its backward
+  kernel needs beside q, k and v."""
+  return prim.name == 'dot_product_attention_fwd_wrapper'
+
+
+def keep(*names):
+  """The named values and cuDNN attention's outputs ('attention' names XLA's output only)."""
+  return jax.checkpoint_policies.save_from_both_policies(
+      jax.checkpoint_policies.save_only_these_names(*names), cudnn_attention_outputs)
+
+
 # The remat policies by the names jaxllm's config uses ('none' means no jax.checkpoint).
 REMAT = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    'dots_except_mlp': jax.checkpoint_policies.save_only_these_names(
-        'q_proj', 'k_proj', 'v_proj', 'attention'),
+    'dots_except_mlp': keep('q_proj', 'k_proj', 'v_proj', 'attention'),
+    'attention': keep('attention'),
 }
 
 
@@ -85,7 +98,8 @@ def attention(x_BTD, p, positions_BT, segment_ids_BT, inv_freq, implementation):
           segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
   o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                    implementation=implementation)  # GQA: K divides N
-  o = checkpoint_name(o, 'attention')
+  if implementation != 'cudnn':  # cuDNN's output is kept as the kernel's (REMAT)
+    o = checkpoint_name(o, 'attention')
   return jnp.einsum('btnh,nhd->btd', o, p['wo_NHD'].astype(dt))
 
 

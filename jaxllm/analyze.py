@@ -2,9 +2,10 @@
 
 Compiles the train step ahead of time from shapes alone, nothing allocated, and reports per
 device: memory by kind and whether it fits what a process may use of the device; model FLOPs
-beside the compiled program's; whether attention runs as a fused kernel; every collective
-grouped by the mesh axes it runs over, with its element type and the analytic bytes beside
-the compiled; the largest arrays; the pipeline bubble; and a predicted step time and MFU.
+beside the compiled program's, and the forward work it reruns in the backward (by remat or by
+XLA); whether attention runs as a fused kernel; every collective grouped by the mesh axes it
+runs over, with its element type and the analytic bytes beside the compiled; the largest
+arrays; the pipeline bubble; and a predicted step time and MFU.
 
 The program read is the one the profile's GPU would run: XLA's GPU compiler (in JAX's CUDA
 plugin) compiles for N GPUs on a machine that has none (`jaxllm.backends.gpu_devices`).
@@ -239,15 +240,17 @@ def memory(c: Compiled) -> dict[str, float]:
 
 def attention(c: Compiled) -> dict:
   """How attention runs in the program: cuDNN's fused kernels (with their masks, any bias
-  operand, and FLOPs from shapes), or XLA's ops, which hold the [B, N, T, S] scores."""
+  operand, FLOPs from shapes, and apart the forwards rerun in the backward), or XLA's ops,
+  which hold the [B, N, T, S] scores."""
   kernels = collections.defaultdict(lambda: {'count': 0, 'flops': 0.0})
   for k in hlo.fused_attention(c.text):
-    row = kernels[(k.target, k.flash, k.mask, k.bias)]
+    row = kernels[(k.target, k.flash, k.mask, k.bias, k.recomputed_by)]
     row['count'] += k.count
     row['flops'] += k.count * k.flops
+  rows = sorted(kernels.items(), key=lambda kv: kv[0][4] is not None)  # reruns last
   return {'implementation': c.cfg.model.attention,
-          'kernels': [{'target': t, 'flash': f, 'mask': m, 'bias': b, **v}
-                      for (t, f, m, b), v in kernels.items()],
+          'kernels': [{'target': t, 'flash': f, 'mask': m, 'bias': b, 'recomputed_by': r, **v}
+                      for (t, f, m, b, r), v in rows],
           'flops_per_device': sum(v['flops'] for v in kernels.values())}
 
 
@@ -295,6 +298,7 @@ def report(c: Compiled, hardware: Hardware) -> dict:
   matmul_flops = hlo.dot_flops(c.text)
   attn = attention(c)
   compiled_flops = matmul_flops + attn['flops_per_device']
+  recomputed = hlo.recomputed_flops(c.text)
   mem = memory(c)
   usable, fraction = usable_memory(hardware)
   counts = metrics.param_counts(m)
@@ -308,7 +312,12 @@ def report(c: Compiled, hardware: Hardware) -> dict:
                 'model_per_step': flops['full'] * tokens,
                 'compiled_matmul_per_device': matmul_flops,
                 'compiled_per_device': compiled_flops,
-                'compiled_per_step': compiled_flops * devices_n},
+                'compiled_per_step': compiled_flops * devices_n,
+                'remat': m.remat,
+                # Forward work rerun in the backward, by the remat policy and by XLA.
+                'recomputed_per_device': sum(recomputed.values()),
+                'recomputed_per_step': sum(recomputed.values()) * devices_n,
+                'recomputed_by_xla_per_step': recomputed['xla'] * devices_n},
       'attention': attn,
       'pipeline': (None if not c.pipeline else {
           'stages': c.pipeline.stages, 'repeats': c.pipeline.repeats,
@@ -366,6 +375,7 @@ def format_report(r: dict) -> str:
       f'{fl["compiled_per_step"] / 1e12:,.3f} TFLOP/step '
       f'({fl["compiled_per_step"] / fl["model_per_step"]:.2f}× model; matmuls from the program'
       + (', fused attention from its shapes)' if r['attention']['kernels'] else ')'),
+      recomputed_text(fl),
   ]
   lines += attention_lines(r['attention'])
   if r['pipeline']:
@@ -401,6 +411,15 @@ def format_report(r: dict) -> str:
   return '\n'.join(lines)
 
 
+def recomputed_text(fl: dict) -> str:
+  """The forward work the backward reruns, for the text report."""
+  total, by_xla = fl['recomputed_per_step'], fl['recomputed_by_xla_per_step']
+  return (f'         recomputed {total / 1e12:,.3f} TFLOP/step ({total / fl["model_per_step"]:.1%} '
+          f'of model), forward matmuls and attention rerun in the backward: '
+          f'{(total - by_xla) / 1e12:,.3f} by remat {fl["remat"]!r}, {by_xla / 1e12:,.3f} by XLA '
+          'to fit the memory')
+
+
 def attention_lines(a: dict) -> list[str]:
   """How attention runs, for the text report."""
   if not a['kernels']:
@@ -409,8 +428,9 @@ def attention_lines(a: dict) -> list[str]:
   lines = ['attention cuDNN kernels per step (FLOPs from their shapes):']
   for k in a['kernels']:
     bias = f', bias operand {k["bias"]}' if k['bias'] else ''
+    rerun = f' (recomputed by {k["recomputed_by"]})' if k['recomputed_by'] else ''
     lines.append(f'  {k["target"]:36} ×{k["count"]:<5,} {"flash" if k["flash"] else "not flash"}'
-                 f', mask {k["mask"]}{bias}, {k["flops"] / 1e12:,.3f} TFLOP')
+                 f', mask {k["mask"]}{bias}, {k["flops"] / 1e12:,.3f} TFLOP{rerun}')
   return lines
 
 

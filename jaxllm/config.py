@@ -17,7 +17,7 @@ from absl import flags
 from ml_collections import ConfigDict, config_flags
 
 MESH_AXES = ('data', 'fsdp', 'pipe', 'tensor')
-REMAT_POLICIES = ('none', 'full', 'dots', 'dots_except_mlp')
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_except_mlp', 'attention')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 DTYPES = ('float32', 'bfloat16')
 DATA_SOURCES = ('files', 'synthetic')
@@ -75,8 +75,11 @@ def default_config() -> ConfigDict:
       # element type weight gradients are summed in across the devices that split the batch
       grad_reduce_dtype='float32',
       attention='xla',        # 'xla' everywhere, 'cudnn' fused flash attention on NVIDIA GPUs
-      # 'none', 'full' (keep nothing), 'dots' (keep weight-matmul outputs) or
-      # 'dots_except_mlp' (keep q, k, v and attention; recompute the MLP)
+      # What each layer keeps for its backward, pipelined or not (the rest is recomputed):
+      # 'none' (everything), 'full' (only its input), 'dots' (weight-matmul outputs; reruns
+      # attention), 'dots_except_mlp' (q, k, v and attention's output and statistics;
+      # recomputes the MLP) or 'attention' (attention's output and statistics; recomputes
+      # every matmul but not cuDNN's attention forward; with XLA's attention, nearly 'full')
       remat='none',
       # The loss makes logits this many positions at a time (0: the whole sequence at once),
       # taking each chunk's gradients as it goes: one [batch, loss_chunk, vocab] fp32 chunk

@@ -1,5 +1,6 @@
 """What a compiled step does, read from its optimized HLO text: its collectives, its matmul
-and attention FLOPs, its fused attention kernels and its largest values.
+and attention FLOPs (and those of the forward work it reruns), its fused attention kernels and
+its largest values.
 
 For each collective: its kind, element type, the mesh axes its device groups span, how many
 times it runs per step (loop trip counts multiplied through) and the bytes each device sends,
@@ -349,11 +350,10 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list
   return found
 
 
-def dot_flops(hlo_text: str) -> float:
-  """FLOPs of the program's matrix multiplies per execution (2 per multiply-add), loops
-  multiplied through: what the device computes, recomputation and attention included."""
+def _dots(hlo_text: str):
+  """(computation, instruction, FLOPs per execution of the program) of every matrix multiply
+  (2 FLOPs per multiply-add), loops multiplied through."""
   computations, counts = _program(hlo_text)
-  total = 0.0
   for comp, insts in computations.items():
     for inst in insts.values() if counts.get(comp) else ():
       if inst.opcode != 'dot':
@@ -364,8 +364,63 @@ def dot_flops(hlo_text: str) -> float:
         continue
       dims = arrays(lhs.shape)[0][1]
       k = math.prod(dims[int(d)] for d in contracting.group(1).split(',') if d)
-      total += counts[comp] * 2 * math.prod(arrays(inst.shape)[0][1]) * k
-  return total
+      yield comp, inst, counts[comp] * 2 * math.prod(arrays(inst.shape)[0][1]) * k
+
+
+def dot_flops(hlo_text: str) -> float:
+  """FLOPs of the program's matrix multiplies per execution: what the device computes,
+  recomputation and attention included."""
+  return sum(flops for _, _, flops in _dots(hlo_text))
+
+
+# XLA's rematerialization pass, when a program would not fit the device's memory, recomputes
+# values instead of holding them: it clones their ops as `<op>.remat`, `<op>.remat2`, ...
+XLA_REMAT_NAME = re.compile(r'\.remat(\d*)$')
+
+
+@functools.lru_cache(maxsize=2)
+def _xla_reruns(hlo_text: str) -> tuple[frozenset[str], frozenset[str]]:
+  """The instructions XLA's rematerialization added, and the computations (fusion bodies)
+  they call: of each op and its clones, all but the first (a clone whose original is gone
+  only moved it)."""
+  computations, _ = _program(hlo_text)
+  instructions, called = set(), set()
+  for insts in computations.values():
+    copies = collections.defaultdict(list)  # op's name -> [(clone number, instruction name)]
+    for name in insts:
+      clone = XLA_REMAT_NAME.search(name)
+      copies[XLA_REMAT_NAME.sub('', name)].append((int(clone.group(1) or 1) if clone else 0,
+                                                    name))
+    for group in copies.values():
+      for _, name in sorted(group)[1:]:
+        instructions.add(name)
+        called.update(re.findall(r'calls=%?([\w.\-]+)', insts[name].attrs))
+  return frozenset(instructions), frozenset(called)
+
+
+def recomputed_by(hlo_text: str, comp: str, inst: Instruction) -> str | None:
+  """Who makes `inst`, in computation `comp`, rerun forward work: 'xla', its rematerialization
+  pass (`_xla_reruns`); 'remat', a JAX checkpoint policy (JAX puts what it recomputes under
+  'rematted_computation' in the op's name); None when it runs once."""
+  instructions, called = _xla_reruns(hlo_text)
+  if inst.name in instructions or comp in called:
+    return 'xla'
+  if re.search(r'op_name="[^"]*\brematted_computation/', inst.attrs):
+    return 'remat'
+  return None
+
+
+def recomputed_flops(hlo_text: str) -> dict[str, float]:
+  """FLOPs per execution of the forward work that the program reruns, matmuls and cuDNN
+  attention kernels, by who reruns it (`recomputed_by`): {'remat': ..., 'xla': ...}."""
+  found = {'remat': 0.0, 'xla': 0.0}
+  for comp, inst, flops in _dots(hlo_text):
+    if who := recomputed_by(hlo_text, comp, inst):
+      found[who] += flops
+  for kernel in fused_attention(hlo_text):
+    if kernel.recomputed_by:
+      found[kernel.recomputed_by] += kernel.count * kernel.flops
+  return found
 
 
 @dataclasses.dataclass
@@ -376,6 +431,7 @@ class FusedAttention:
   flash: bool          # cuDNN's flash-attention kernel, which never holds the T×S scores
   mask: str            # the kernel's own mask: 'CAUSAL', 'NO_MASK', 'PADDING_CAUSAL', ...
   bias: str | None     # a [.., T, S] bias operand (e.g. a dense mask made into one): its shape
+  recomputed_by: str | None  # a forward rerun in the backward: by whom (see `recomputed_by`)
   flops: float         # per execution, from the shapes
 
   @property
@@ -405,7 +461,8 @@ def fused_attention(hlo_text: str) -> list[FusedAttention]:
       bias = next((f'{t}[{",".join(map(str, d))}]' for t, d in operands[3:]
                    if dims and len(d) == len(dims) and d[-2:] == tuple(dims[-2:])), None)
       kernel = FusedAttention(target.group(1), counts[comp],
-                              '"is_flash_attention":true' in config, mask, bias, 0.0)
+                              '"is_flash_attention":true' in config, mask, bias,
+                              recomputed_by(hlo_text, comp, inst), 0.0)
       if dims and operands:  # [B, N, T, S] scores, each of head dim H (q's last)
         kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims) * operands[0][1][-1]
                         * (0.5 if 'CAUSAL' in mask else 1.0))

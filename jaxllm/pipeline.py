@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import pipeline_shape
 from jaxllm.mesh import keep_axes, logical_spec, spec_axes, split_micro_batches
-from jaxllm.model import scan_blocks
+from jaxllm.model import scan_blocks, stack_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +103,15 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
       # Tie the gather to this iteration's input, or the compiler hoists it out of the loop.
       staged, x_BTD = jax.lax.optimization_barrier((staged, x_BTD))
       staged = jax.tree.map(gather, staged, in_specs)
-    layers = jax.tree.map(lambda w: w[0, repeat], staged)  # this device's stage
+    # This device's stage. With one repeat the slice is fixed: the weights stay loop
+    # invariants, which the backward pass reads without a copy per iteration.
+    layers = jax.tree.map(lambda w: w[0, 0] if R == 1 else w[0, repeat], staged)
     return scan_blocks(graphdef, layers, x_BTD, *rows_info, remat)
 
-  # Keep only each iteration's stage input for the backward pass; the stage's own remat
-  # policy applies when it is recomputed.
-  run_stage = jax.checkpoint(run_stage, policy=jax.checkpoint_policies.nothing_saveable,
-                             prevent_cse=False)
+  if R > 1 or spec.gather_weights == 'iteration':
+    # Weights sliced or gathered anew in every iteration are recomputed for the backward pass
+    # instead of kept once per iteration; everything else is kept as model.remat says.
+    run_stage = jax.checkpoint(run_stage, policy=stack_policy(remat), prevent_cse=False)
 
   def stages_fn(staged, x_M, info_M):
     if spec.gather_weights == 'step':  # once, for every iteration

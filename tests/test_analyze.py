@@ -131,6 +131,43 @@ def test_gpu_asynchronous_collectives_are_read_by_element_type():
   ])
 
 
+def _gemm(name: str) -> str:
+  """An HLO computation `name` holding one [8,16]·[16,8] matmul."""
+  return f"""%{name} (a: f32[8,16], b: f32[16,8]) -> f32[8,8] {{
+  %a = f32[8,16]{{1,0}} parameter(0)
+  %b = f32[16,8]{{1,0}} parameter(1)
+  ROOT %dot.{name} = f32[8,8]{{1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+
+
+# A matmul fusion with two clones from XLA's rematerialization (they rerun it), a clone whose
+# original is gone (XLA moved it: it runs once), and a matmul JAX's remat recomputes.
+RERUN_SNIPPET = f"""HloModule m
+
+{_gemm('gemm')}
+{_gemm('gemm.1')}
+{_gemm('gemm.2')}
+{_gemm('moved')}
+ENTRY %main (x: f32[8,16], y: f32[16,8]) -> f32[8,8] {{
+  %x = f32[8,16]{{1,0}} parameter(0)
+  %y = f32[16,8]{{1,0}} parameter(1)
+  %f = f32[8,8]{{1,0}} fusion(%x, %y), kind=kCustom, calls=%gemm
+  %f.remat = f32[8,8]{{1,0}} fusion(%x, %y), kind=kCustom, calls=%gemm.1
+  %f.remat2 = f32[8,8]{{1,0}} fusion(%x, %y), kind=kCustom, calls=%gemm.2
+  %g.remat = f32[8,8]{{1,0}} fusion(%x, %y), kind=kCustom, calls=%moved
+  %r = f32[8,8]{{1,0}} dot(%x, %y), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/transpose(jvp())/checkpoint/rematted_computation/dot_general"}}
+  ROOT %out = f32[8,8]{{1,0}} add(%f.remat2, %r)
+}}
+"""
+
+
+def test_reruns_are_told_apart_by_who_makes_them():
+  one = 2 * 8 * 8 * 16
+  assert hlo.dot_flops(RERUN_SNIPPET) == 5 * one
+  assert hlo.recomputed_flops(RERUN_SNIPPET) == {'remat': one, 'xla': 2 * one}
+
+
 def test_axes_cross_nodes_as_the_run_lays_them_out():
   shape = dict(data=2, fsdp=8, pipe=1, tensor=4)  # 64 devices: 8 nodes of 8
   assert axes_across_nodes(shape, 'data,pipe,fsdp,tensor', 8) == {'data', 'fsdp'}

@@ -5,12 +5,13 @@ is what a JAX process may really use. (Its traffic against the formulas: test_an
 import json
 import math
 import os
+import re
 
 import pytest
 
 from conftest import REPO, run_cli, small_config
 from jaxllm import backends, hlo
-from jaxllm.analyze import compile_step, report
+from jaxllm.analyze import compile_step, format_report, report
 from jaxllm.config import ConfigError, load_config
 from jaxllm.hardware import PROFILES, usable_memory
 from jaxllm.model import available_attention
@@ -49,8 +50,38 @@ def one_b_width(micro_batches: int, rows: int = 16):
 
 
 @pytest.fixture(scope='session')
-def one_b_program():
-  return compile_step(one_b_width(micro_batches=8), backends.gpu_devices(H100, 1))
+def one_b_programs():
+  """`one_b_width(micro_batches=8)` under a remat policy, compiled when first asked for."""
+  programs = {}
+
+  def program(remat: str):
+    if remat not in programs:
+      cfg = one_b_width(micro_batches=8)
+      cfg.model.remat = remat
+      programs[remat] = compile_step(cfg, backends.gpu_devices(H100, 1))
+    return programs[remat]
+  return program
+
+
+@pytest.fixture(scope='session')
+def one_b_program(one_b_programs):
+  return one_b_programs('dots')  # llama3_1b.py's own policy
+
+
+@pytest.fixture(scope='session')
+def tiny_pipelines(h100s):
+  """tiny() on data=2 pipe=2 tensor=2 (2 of its 4 layers per stage, M=4 micro-batches) under
+  a remat policy and schedule, compiled when first asked for."""
+  programs = {}
+
+  def program(remat: str, schedule: str):
+    if (remat, schedule) not in programs:
+      cfg = tiny(remat=remat)
+      cfg.mesh.update(data=2, fsdp=1, pipe=2, tensor=2)
+      cfg.pipeline.update(schedule=schedule, repeats=2 if schedule == 'circular' else 1)
+      programs[remat, schedule] = compile_step(cfg, h100s)
+    return programs[remat, schedule]
+  return program
 
 
 def test_the_program_is_the_h100s(tiny_program):
@@ -79,15 +110,73 @@ def test_cudnn_flash_attention_runs_both_ways(tiny_program, one_b_program):
   assert {k.flops for k in forward} == {2 * per} and {k.flops for k in backward} == {5 * per}
 
 
-def test_cudnn_attention_compiles_inside_the_pipeline(h100s):
+def test_cudnn_attention_compiles_inside_the_pipeline(tiny_pipelines):
   """Inside the pipeline's shard_map (manual over pipe and the batch axes) JAX's partitioning
   rule for cuDNN attention fails to compile; attention runs on local shards instead."""
-  cfg = tiny()
-  cfg.mesh.update(data=2, fsdp=1, pipe=2, tensor=2)
-  kernels = hlo.fused_attention(compile_step(cfg, h100s).text)
+  kernels = hlo.fused_attention(tiny_pipelines('none', 'gpipe').text)
   assert {k.target for k in kernels} == {'__cudnn$fmhaScaleBiasSoftmax',
                                          '__cudnn$fmhaScaleBiasSoftmaxBackward'}
   assert all(k.flash for k in kernels)
+
+
+# Attention forwards per backward kernel: the backward reruns the forward unless the policy
+# keeps what cuDNN's forward returns (the output and its softmax statistics).
+FORWARDS_PER_BACKWARD = {'none': 1, 'attention': 1, 'dots_except_mlp': 1, 'full': 2, 'dots': 2}
+
+
+@pytest.mark.parametrize('remat', FORWARDS_PER_BACKWARD)
+def test_remat_reruns_the_attention_forward_only_if_it_drops_its_outputs(remat, one_b_programs):
+  kernels = hlo.fused_attention(one_b_programs(remat).text)
+  layers, micro = 2, 8
+  assert sum(k.count for k in kernels if k.backward) == layers * micro
+  forward = [k for k in kernels if not k.backward]
+  assert sum(k.count for k in forward if k.recomputed_by is None) == layers * micro
+  reruns = (FORWARDS_PER_BACKWARD[remat] - 1) * layers * micro
+  assert sum(k.count for k in forward if k.recomputed_by == 'remat') == reruns
+
+
+def test_recomputed_flops_are_the_forward_work_remat_reruns(one_b_programs):
+  """None under 'none'. Under 'full', each layer's forward but the MLP's down projection (its
+  output, the next layer's input, is kept): the weight matmuls, 2·(D·(N+2K)·H + N·H·D + 2·D·F)
+  FLOPs per token, and the causal attention forward, 2·N·H·T. Both are counted from shapes,
+  so the figure is exact. Whatever the policy, the program less what it reruns is the same."""
+  reports = {remat: report(one_b_programs(remat), H100) for remat in FORWARDS_PER_BACKWARD}
+  flops = {remat: r['flops'] for remat, r in reports.items()}
+  once = {remat: f['compiled_per_step'] - f['recomputed_per_step'] for remat, f in flops.items()}
+  assert once == pytest.approx({remat: once['none'] for remat in once}, rel=1e-9)
+  m, rows, T = one_b_width(micro_batches=8).model, 16, 4096
+  D, N, K, H, F = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+  per_token = m.num_layers * (2 * (D * (N + 2 * K) * H + N * H * D + 2 * D * F) + 2 * N * H * T)
+  assert flops['none']['recomputed_per_step'] == 0
+  assert flops['full']['recomputed_per_step'] == pytest.approx(rows * T * per_token, rel=1e-9)
+  assert all(f['recomputed_by_xla_per_step'] == 0 for f in flops.values())  # all fit
+  assert re.search(r"recomputed 0\.000 TFLOP/step \(0\.0% of model\).*: 0\.000 by remat "
+                   r"'none', 0\.000 by XLA", format_report(reports['none']))
+  assert re.search(r"recomputed 13\.744 TFLOP/step \(8\.4% of model\).*: 13\.744 by remat "
+                   r"'full', 0\.000 by XLA", format_report(reports['full']))
+
+
+@pytest.mark.parametrize('remat,schedule,forwards_per_backward', [
+    ('none', 'gpipe', 1), ('full', 'gpipe', 2), ('none', 'circular', 1), ('full', 'circular', 2)])
+def test_the_pipeline_recomputes_what_model_remat_says(remat, schedule, forwards_per_backward,
+                                                       tiny_pipelines):
+  """Inside the pipeline the layers keep what model.remat says, as outside it: under 'none'
+  the attention forward runs once per backward and nothing is recomputed; under 'full' it runs
+  twice, not three times. No iteration keeps a copy of the stage's weights (circular slices
+  them per iteration; the checkpoint that recomputes them keeps what the layers keep:
+  `model.stack_policy`)."""
+  c = tiny_pipelines(remat, schedule)
+  kernels = hlo.fused_attention(c.text)
+  iterations = c.pipeline.iterations
+  layers = 2 // c.pipeline.repeats  # per iteration
+  assert sum(k.count for k in kernels if k.backward) == layers * iterations
+  assert sum(k.count for k in kernels if not k.backward) == (
+      forwards_per_backward * layers * iterations)
+  recomputed = report(c, H100)['flops']['recomputed_per_step']
+  assert (recomputed == 0) == (remat == 'none')
+  # An MLP weight is [128, 192] on each device (tensor=2); kept per iteration it would be
+  # [iterations, layers, 128, 192] (its activations have a row dimension too).
+  assert not re.search(rf'\[{iterations},({layers},)?128,192\]', c.text)
 
 
 def test_cudnn_falls_back_to_xla_attention_off_a_gpu():

@@ -129,7 +129,7 @@ def test_scanned_stack_equals_layer_by_layer_loop(one_device):
   np.testing.assert_allclose(got, model.logits(x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('policy', ['full', 'dots', 'dots_except_mlp'])
+@pytest.mark.parametrize('policy', ['full', 'dots', 'dots_except_mlp', 'attention'])
 def test_remat_policies_keep_loss_and_gradients(policy, one_device):
   model, tokens = _model_and_tokens()
   batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'mask': jnp.ones(tokens.shape)}

@@ -51,13 +51,18 @@ def plain_stack():
                         lambda g, p, x, pos, seg: nnx.merge(g, p).layers(x, pos, seg))
 
 
-CASES = [(S, R, M) for S in (2, 4) for R in (1, 2) for M in (S, 2 * S)]
+# Remat inside the pipeline: per layer under GPipe, and under circular also a checkpoint per
+# iteration that recomputes the weights (`model.stack_policy`).
+CASES = ([(S, R, M, 'none') for S in (2, 4) for R in (1, 2) for M in (S, 2 * S)]
+         + [(2, 1, 2, 'dots_except_mlp'), (2, 2, 4, 'full')])
 
 
-@pytest.mark.parametrize('stages,repeats,microbatches', CASES)
-def test_pipeline_equals_plain_stack(stages, repeats, microbatches, plain_stack):
-  """Outputs and gradients match for GPipe and circular; bubbles are fed NaN and must not leak."""
+@pytest.mark.parametrize('stages,repeats,microbatches,remat', CASES)
+def test_pipeline_equals_plain_stack(stages, repeats, microbatches, remat, plain_stack):
+  """Outputs and gradients match for GPipe and circular, whatever the remat; bubbles are fed
+  NaN and must not leak."""
   cfg = stack_config()
+  cfg.model.remat = remat
   cfg.mesh.update(pipe=stages, data=8 // stages // 2, tensor=2)
   mesh = make_mesh(resolve_mesh(cfg.mesh, jax.device_count()))
   spec = PipelineSpec(stages, repeats, microbatches, 'step', bubble_fill=float('nan'))
