@@ -84,9 +84,10 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
   remat, compute_dtype, grad_dtype = model_cfg.remat, model_cfg.dtype, model_cfg.grad_reduce_dtype
   S, R, M = spec.stages, spec.repeats, spec.microbatches
   graphdef, stacked = nnx.split(blocks)
-  # The pipeline is manual over 'pipe' and the batch axes (data, fsdp): each device then sums
-  # its weight gradients over all micro-batches locally, and they are reduced across the
-  # batch axes once per step. 'tensor' stays with the compiler.
+  # The pipeline is manual over 'pipe' and the batch axes (data, fsdp) not manual already (the
+  # train step makes data manual: `step.gradients`): each device then sums its weight gradients
+  # over all micro-batches locally, and they are reduced across those axes once per pipeline
+  # run, where they leave the shard_map. 'tensor' stays with the compiler.
   batch_axes = spec_axes(logical_spec('batch')[0])
   manual = {'pipe', *batch_axes}
   # Stored stage-major, so [L] -> [S, R, L/(S·R)] keeps each stage's layers where they are.

@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from jaxllm.mesh import check_divisible, sharding_context, split_micro_batches
+from jaxllm.mesh import (check_divisible, logical_spec, sharding_context, spec_axes,
+                         split_micro_batches)
 from jaxllm.model import Transformer, sequence_positions
 from jaxllm.pipeline import PipelineSpec, pipeline_layers, to_stage_order
 
@@ -75,6 +77,16 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
   return model.loss_sum(x_BTD, batch['targets'], mask_BT), jnp.sum(mask_BT.astype(jnp.float32))
 
 
+def replicated_batch_axes(params) -> tuple[str, ...]:
+  """The mesh axes (of more than one device) that split the batch but no parameter: each
+  device there computes a partial sum of the same, whole gradients."""
+  param_axes = {a for spec in jax.tree.leaves(nnx.get_partition_spec(params))
+                for entry in spec for a in spec_axes(entry)}
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(a for a in spec_axes(logical_spec('batch')[0])
+               if mesh.shape[a] > 1 and a not in param_axes)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
                     pipeline: PipelineSpec | None = None, skip_nonfinite: bool = False):
   """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch.
@@ -84,7 +96,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
   """
   grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b, pipeline), has_aux=True)
 
-  def gradients(params, batch):
+  def accumulate(params, batch):
     """Summed gradients, summed loss and token count over the micro-batches, in turn."""
     param_specs = nnx.get_partition_spec(params)
     pin = lambda g: jax.lax.with_sharding_constraint(g, param_specs)
@@ -92,7 +104,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
       (loss_sum, tokens), grads = grad_fn(params, batch)
       return pin(grads), loss_sum, tokens
 
-    def accumulate(carry, micro_batch):
+    def add_micro_batch(carry, micro_batch):
       grads, loss_sum, tokens = carry
       (mb_loss, mb_tokens), mb_grads = grad_fn(params, micro_batch)
       grads = pin(jax.tree.map(jnp.add, grads, mb_grads))
@@ -100,8 +112,21 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
 
     zeros = pin(jax.tree.map(jnp.zeros_like, params))
     micro = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
-    carry, _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+    carry, _ = jax.lax.scan(add_micro_batch, (zeros, jnp.float32(0), jnp.float32(0)), micro)
     return carry
+
+  def gradients(params, batch):
+    """`accumulate` over the whole batch. Over the batch axes whose devices hold whole
+    parameters (data), each device accumulates its own rows' gradients in fp32, and the sums
+    are all-reduced once, after the last micro-batch: left to the compiler, they would be
+    all-reduced per micro-batch (on GPUs in bf16, before the cast to fp32). fsdp and tensor
+    stay with the compiler inside."""
+    axes = replicated_batch_axes(params)
+    if not axes:
+      return accumulate(params, batch)
+    summed = lambda params, batch: jax.lax.psum(accumulate(params, batch), axes)
+    return jax.shard_map(summed, in_specs=(P(), P(axes)), out_specs=P(), axis_names=set(axes),
+                         check_vma=False)(params, batch)
 
   def train_step(state: TrainState, batch):
     grads, loss_sum, tokens = gradients(state.params, batch)

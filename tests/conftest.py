@@ -16,6 +16,7 @@ _BACKENDS = default_config()
 _BACKENDS.cpu_devices = 8
 start_backends(_BACKENDS)  # as every command starts them
 
+from jaxllm import hlo  # noqa: E402
 from jaxllm.mesh import make_mesh, sharding_context  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +60,13 @@ def assert_params_close(got_tree, want_tree):
   """
   for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
+def data_reductions(compiled) -> list[hlo.Collective]:
+  """The reductions of a compiled step (`jaxllm.analyze.Compiled`) whose device groups span
+  the data axis."""
+  return [c for c in hlo.collectives(compiled.text, compiled.mesh_shape, cpu=compiled.cpu)
+          if 'data' in c.axes and c.kind in ('all-reduce', 'reduce-scatter')]
 
 
 @pytest.fixture(scope='session')

@@ -7,7 +7,7 @@ import math
 import jax
 import pytest
 
-from conftest import run_cli, small_config
+from conftest import data_reductions, run_cli, small_config
 from jaxllm import backends, hlo
 from jaxllm.analyze import analyze, compile_step, expected_bytes
 from jaxllm.hardware import PROFILES, axes_across_nodes
@@ -66,6 +66,22 @@ def test_data_parallel_traffic_is_the_gradient_all_reduce():
   found = hlo.collectives(compiled.text, compiled.mesh_shape, cpu=True)
   assert {c.axes for c in found} == {('data',)}
   assert sum(c.bytes for c in found) == pytest.approx(2 * 7 / 8 * 4 * params, rel=1e-3)
+
+
+@pytest.mark.parametrize('mesh', [dict(data=2, fsdp=2, tensor=2), dict(data=2, pipe=2, tensor=2)],
+                         ids=['data2_fsdp2_tensor2', 'data2_pipe2_tensor2'])
+def test_gradients_cross_the_data_axis_once_per_step(mesh):
+  """The CPU compiler's program (the GPU's: test_gpu_program): summed over 2 micro-batches,
+  the gradients cross data in no more reductions than one batch's, each run once per step,
+  moving as many bytes; through the pipeline too."""
+  programs = []
+  for micro_batches in (1, 2):
+    cfg = comm_config(**mesh)
+    cfg.train.micro_batches = micro_batches
+    programs.append(data_reductions(compile_step(cfg)))
+  one, two = programs
+  assert {c.count for c in one + two} == {1} and len(two) <= len(one)
+  assert sum(c.bytes for c in two) == pytest.approx(sum(c.bytes for c in one), rel=1e-6)
 
 
 def test_fsdp_holds_an_eighth_of_params_and_optimizer_state():

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import REPO, run_cli, small_config
+from conftest import REPO, data_reductions, run_cli, small_config
 from jaxllm import backends, hlo
 from jaxllm.analyze import compile_step, format_report, report
 from jaxllm.config import ConfigError, load_config
@@ -38,6 +38,14 @@ def tiny_program(h100s):
   """configs/tiny.py as users train it (packed file data, data=2 fsdp=2 tensor=2) in bf16 with
   cuDNN attention, on 8 H100s."""
   return compile_step(tiny(), h100s)
+
+
+@pytest.fixture(scope='session')
+def tiny_accumulating(h100s):
+  """tiny_program's step summing 4 micro-batches of 4 rows."""
+  cfg = tiny()
+  cfg.train.micro_batches = 4
+  return compile_step(cfg, h100s)
 
 
 def one_b_width(micro_batches: int, rows: int = 16):
@@ -101,12 +109,12 @@ def test_cudnn_flash_attention_runs_both_ways(tiny_program, one_b_program):
     assert k.flash and k.mask == 'CAUSAL' and k.bias == 'bf16[4,1,128,128]' and k.count == 4
   forward = [k for k in hlo.fused_attention(one_b_program.text) if not k.backward]
   backward = [k for k in hlo.fused_attention(one_b_program.text) if k.backward]
-  layers, micro = 2, 8
+  layers, micro = 3, 8
   assert sum(k.count for k in forward) == 2 * layers * micro  # remat recomputes the forward
   assert sum(k.count for k in backward) == layers * micro
   assert all(k.flash and k.bias is None and k.mask == 'CAUSAL' for k in forward + backward)
-  # 2 rows × 32 heads × 4096² × 64 per kernel: 4× that forward, 10× backward, causal half.
-  per = 2 * 32 * 4096 * 4096 * 64
+  # 3 rows × 32 heads × 4096² × 64 per kernel: 4× that forward, 10× backward, causal half.
+  per = 3 * 32 * 4096 * 4096 * 64
   assert {k.flops for k in forward} == {2 * per} and {k.flops for k in backward} == {5 * per}
 
 
@@ -213,6 +221,17 @@ def test_bf16_compute_moves_bf16_activations_and_weights(tiny_program):
   assert on_cpu.cpu and set(tensor_all_reduces(on_cpu)) == {'f32'}
 
 
+def test_gradients_cross_the_data_axis_once_per_step(tiny_program, tiny_accumulating):
+  """Each device sums its micro-batches' gradients in fp32; the sums are all-reduced over data
+  once, after the last. So 4 micro-batches send over data what one batch does (within a few
+  bytes: with one, XLA folds the final norm's fsdp all-reduce into the data one), and every
+  data reduction runs once per step, inside no loop: neither the micro-batches' nor the layers'."""
+  one, four = data_reductions(tiny_program), data_reductions(tiny_accumulating)
+  assert {c.count for c in one + four} == {1} and {c.dtype for c in one + four} == {'f32'}
+  assert len(four) <= len(one)
+  assert sum(c.bytes for c in four) == pytest.approx(sum(c.bytes for c in one), rel=1e-3)
+
+
 def test_memory_verdict_is_what_a_process_may_use(monkeypatch, one_b_program):
   """The whole batch (48 rows) at once needs more than JAX lets a process take of an H100 by
   default (75%), though less than the card: it does not fit, unless XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -229,7 +248,7 @@ def test_memory_verdict_is_what_a_process_may_use(monkeypatch, one_b_program):
   # The buffer assignment holds the state and the batch as the step's arguments.
   stats = one_b_program.executable.memory_analysis()
   state = one_b_program.state_bytes['params'] + one_b_program.state_bytes['optimizer']
-  batch = 16 * 4096 * 4 * 4  # inputs, targets, positions, mask
+  batch = 24 * 4096 * 4 * 4  # inputs, targets, positions, mask
   assert stats.argument_size_in_bytes == pytest.approx(state + batch, abs=1024)
 
 

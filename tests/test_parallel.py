@@ -11,18 +11,21 @@ from jaxllm.data.sources import resolve_files
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.train import setup, train
 
-MESHES = {
-    'data8': dict(data=8),
-    'fsdp8': dict(fsdp=8),
-    'tensor4_data2': dict(tensor=4, data=2),
-    'data2_fsdp2_tensor2': dict(data=2, fsdp=2, tensor=2),
+RUNS = {  # mesh, micro-batches
+    'data8': (dict(data=8), 1),
+    'fsdp8': (dict(fsdp=8), 1),
+    'tensor4_data2': (dict(tensor=4, data=2), 1),
+    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), 1),
+    'data2_fsdp2_tensor2_micro2': (dict(data=2, fsdp=2, tensor=2), 2),
 }
 
 
-@pytest.mark.parametrize('mesh', MESHES.values(), ids=MESHES.keys())
-def test_mesh_trains_like_one_device(mesh, corpus, one_device_run):
+@pytest.mark.parametrize('mesh, micro_batches', RUNS.values(), ids=RUNS.keys())
+def test_mesh_trains_like_one_device(mesh, micro_batches, corpus, one_device_run):
   ref_params, ref_losses = one_device_run
-  state, history = train(text_config(corpus, **mesh))
+  cfg = text_config(corpus, **mesh)
+  cfg.train.micro_batches = micro_batches
+  state, history = train(cfg)
   losses = [row['loss'] for row in history]
   assert len(losses) == 3 and losses[-1] < losses[0]
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

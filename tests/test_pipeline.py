@@ -91,22 +91,26 @@ def test_stage_order_round_trips_and_interleaves():
   np.testing.assert_array_equal(from_stage_order(staged, 2, 2)['blocks']['w'], np.arange(8))
 
 
-PIPE_MESHES = {
-    'pipe2_data2_tensor2': (dict(pipe=2, data=2, tensor=2), {}),
-    'pipe4_fsdp2': (dict(pipe=4, fsdp=2), {}),
-    'pipe2_fsdp2_tensor2': (dict(pipe=2, fsdp=2, tensor=2), {}),
+PIPE_MESHES = {  # mesh, pipeline settings, train.micro_batches
+    'pipe2_data2_tensor2': (dict(pipe=2, data=2, tensor=2), {}, 1),
+    'pipe4_fsdp2': (dict(pipe=4, fsdp=2), {}, 1),
+    'pipe2_fsdp2_tensor2': (dict(pipe=2, fsdp=2, tensor=2), {}, 1),
     'pipe2_data2_tensor2_circular': (dict(pipe=2, data=2, tensor=2),
-                                     dict(schedule='circular', repeats=2)),
-    'pipe2_fsdp4_per_iteration': (dict(pipe=2, fsdp=4), dict(gather_weights='iteration')),
+                                     dict(schedule='circular', repeats=2), 1),
+    'pipe2_fsdp4_per_iteration': (dict(pipe=2, fsdp=4), dict(gather_weights='iteration'), 1),
+    'pipe2_data2_tensor2_micro2': (dict(pipe=2, data=2, tensor=2), {}, 2),
 }
 
 
-@pytest.mark.parametrize('mesh,pipeline', PIPE_MESHES.values(), ids=PIPE_MESHES.keys())
-def test_pipelined_training_matches_one_device(mesh, pipeline, corpus, one_device_run):
+@pytest.mark.parametrize('mesh,pipeline,micro_batches', PIPE_MESHES.values(),
+                         ids=PIPE_MESHES.keys())
+def test_pipelined_training_matches_one_device(mesh, pipeline, micro_batches, corpus,
+                                               one_device_run):
   from jaxllm.pipeline import from_stage_order
   ref_params, ref_losses = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.pipeline.update(microbatches=mesh['pipe'], **pipeline)
+  cfg.train.micro_batches = micro_batches
   state, history = train(cfg)
   np.testing.assert_allclose([r['loss'] for r in history], ref_losses, rtol=1e-5)
   params = from_stage_order(jax.device_get(state.params), mesh['pipe'], cfg.pipeline.repeats)
