@@ -109,12 +109,13 @@ def test_cudnn_flash_attention_runs_both_ways(tiny_program, one_b_program):
     assert k.flash and k.mask == 'CAUSAL' and k.bias == 'bf16[4,1,128,128]' and k.count == 4
   forward = [k for k in hlo.fused_attention(one_b_program.text) if not k.backward]
   backward = [k for k in hlo.fused_attention(one_b_program.text) if k.backward]
-  layers, micro = 3, 8
+  cfg = one_b_program.cfg
+  layers, micro = cfg.model.num_layers, cfg.train.micro_batches
   assert sum(k.count for k in forward) == 2 * layers * micro  # remat recomputes the forward
   assert sum(k.count for k in backward) == layers * micro
   assert all(k.flash and k.bias is None and k.mask == 'CAUSAL' for k in forward + backward)
-  # 3 rows × 32 heads × 4096² × 64 per kernel: 4× that forward, 10× backward, causal half.
-  per = 3 * 32 * 4096 * 4096 * 64
+  # rows × 32 heads × 4096² × 64 per kernel: 4× that forward, 10× backward, causal half.
+  per = cfg.train.global_batch // micro * 32 * 4096 * 4096 * 64
   assert {k.flops for k in forward} == {2 * per} and {k.flops for k in backward} == {5 * per}
 
 
@@ -248,7 +249,7 @@ def test_memory_verdict_is_what_a_process_may_use(monkeypatch, one_b_program):
   # The buffer assignment holds the state and the batch as the step's arguments.
   stats = one_b_program.executable.memory_analysis()
   state = one_b_program.state_bytes['params'] + one_b_program.state_bytes['optimizer']
-  batch = 24 * 4096 * 4 * 4  # inputs, targets, positions, mask
+  batch = one_b_program.cfg.train.global_batch * 4096 * 4 * 4  # inputs, targets, positions, mask
   assert stats.argument_size_in_bytes == pytest.approx(state + batch, abs=1024)
 
 
