@@ -66,6 +66,7 @@ class Compiled:
   mesh_shape: dict[str, int]
   pipeline: PipelineSpec | None
   state_bytes: dict[str, int]  # per device: 'params', 'optimizer'
+  head_bytes: int              # per device: the output head's (the embedding table when tied)
   fsdp_split_bytes: int        # per device: of the params, those split over fsdp
   head_split_bytes: int        # of those, the output head's (the embedding table when tied)
   block_split_bytes: int       # of those, the layer stack's
@@ -128,7 +129,7 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
   head = state.params['embed_VD' if cfg.model.tie_embeddings else 'head_DV']
   return Compiled(cfg, mesh_shape, pipeline,
                   {'params': shard_bytes(state.params), 'optimizer': shard_bytes(state.opt_state)},
-                  split(jax.tree.leaves(state.params)), split([head]),
+                  shard_bytes([head]), split(jax.tree.leaves(state.params)), split([head]),
                   split(jax.tree.leaves(state.params['blocks'])), executable, devices[0])
 
 
@@ -150,9 +151,13 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     parameters fsdp does not split (norm scales) are all-reduced, 2(N−1)/N·g·P.
     (No figure for gather_weights='iteration'.)
   tensor: 4 all-reduces of b·s·h per layer and micro-batch (2 forward, 2 backward).
-  pipe: b·s·h/M forward and backward in each of the R·M+S−1 iterations of the scanned
-    schedule (bubble iterations shift too); and the whole b·s·h into the first stage (a
-    permute) and out of the last (summed over pipe: an all-reduce), forward and backward.
+  pipe: per micro-batch, b·s·h/M forward and backward in each of the R·M+S−1 iterations of
+    the scanned schedule (bubble iterations shift too); the last stage's outputs handed out,
+    M/S micro-batches to each stage (a reduce-scatter, an all-gather backward),
+    2(S−1)/S·b·s·h; the first stage's input gradient, all-reduced for the embedding every
+    stage holds, 2(S−1)/S·b·s·h; and once per step (XLA sums the micro-batches' first), the
+    output head's gradient, which each stage makes from its rows, all-reduced, 2(S−1)/S·g·H
+    (H the head's bytes on one device).
   P is the parameter bytes on one device before the axis' own split; b the rows on one device.
   """
   cfg, shape = c.cfg, c.mesh_shape
@@ -183,8 +188,9 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   if c.pipeline:
     p = c.pipeline
     shifts = 2 * p.iterations * bsh / p.microbatches
-    into_and_out = 2 * bsh + 2 * 2 * (p.stages - 1) / p.stages * bsh
-    expected[('pipe',)] = t.micro_batches * (shifts + into_and_out)
+    ends = 2 * (p.stages - 1) / p.stages * 2 * bsh
+    head = 2 * (p.stages - 1) / p.stages * g * c.head_bytes
+    expected[('pipe',)] = t.micro_batches * (shifts + ends) + head
   return expected
 
 

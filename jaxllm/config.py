@@ -325,9 +325,10 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   if cfg.model.num_layers % (S * R):
     raise ConfigError(f'model.num_layers={cfg.model.num_layers} is not divisible by '
                       f'pipe×repeats = {S}×{R}; change the layers, mesh.pipe or pipeline.repeats.')
-  if M < S:
-    raise ConfigError(f'pipeline.microbatches={M} is smaller than mesh.pipe={S}: stages would '
-                      f'stay idle; use at least {S} (2×{S} or more keeps the bubble small).')
+  if M < S or M % S:
+    raise ConfigError(f'pipeline.microbatches={M} is not a multiple of mesh.pipe={S}: each stage '
+                      f'runs the output head on M/S of them; use {S}, {2 * S} (a smaller bubble) '
+                      'or another multiple.')
   slice_rows = cfg.train.global_batch // cfg.train.micro_batches
   shards = mesh_shape['data'] * mesh_shape['fsdp']
   if slice_rows % (M * shards):

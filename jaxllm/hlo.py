@@ -175,6 +175,27 @@ def _iota(text: str) -> np.ndarray:
   return (ids.transpose([int(x) for x in m.group(2).split(',')]) if m.group(2) else ids).ravel()
 
 
+def _mesh_groups(mesh: str, device_ids: str | None, chosen: str) -> list[list[int]]:
+  """Groups along the `chosen` axes of a named mesh: whole axes ('axis_1') or sub-axes
+  ('axis_0':(2)2, the size-2 factor of axis_0 below a major factor of 2)."""
+  axes = [(a, int(n)) for a, n in re.findall(r"'?(\w+)'?=(\d+)", mesh)]
+  picks = [(a, int(pre) if pre else None, int(n) if n else None)
+           for a, pre, n in re.findall(r"'?(\w+)'?(?::\((\d+)\)(\d+))?", chosen)]
+  # Each axis cut into factors at its chosen sub-axes' bounds, major first.
+  dims, chosen_dims = [], []
+  for a, size in axes:
+    cuts = sorted({1, size, *(c for b, pre, n in picks if b == a and pre
+                              for c in (pre, pre * n))})
+    for lo, hi in zip(cuts, cuts[1:]):
+      if any(b == a and (pre is None or pre <= lo and hi <= pre * n) for b, pre, n in picks):
+        chosen_dims.append(len(dims))
+      dims.append(hi // lo)
+  ids = _iota(device_ids) if device_ids else np.arange(math.prod(dims))
+  ids = ids.reshape(dims).transpose(
+      [i for i in range(len(dims)) if i not in chosen_dims] + chosen_dims)
+  return ids.reshape(-1, math.prod(dims[i] for i in chosen_dims)).tolist()
+
+
 def device_groups(attrs: str) -> list[list[int]] | None:
   """The device (partition) groups of a collective's `replica_groups` or permute pairs."""
   pairs = _braced(attrs, 'source_target_pairs=')
@@ -182,12 +203,7 @@ def device_groups(attrs: str) -> list[list[int]] | None:
     return pairs
   m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?\)?)\))? \{([^}]*)\}", attrs)
   if m:  # mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_1'}: grouped along named axes
-    axes = re.findall(r"'?(\w+)'?=(\d+)", m.group(1))
-    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-    chosen = [names.index(a) for a in re.findall(r"'?(\w+)'?", m.group(3))]
-    ids = _iota(m.group(2)) if m.group(2) else np.arange(math.prod(sizes))
-    ids = ids.reshape(sizes).transpose([i for i in range(len(sizes)) if i not in chosen] + chosen)
-    return ids.reshape(-1, math.prod(sizes[i] for i in chosen)).tolist()
+    return _mesh_groups(m.group(1), m.group(2), m.group(3))
   m = re.search(r'replica_groups=\[([\d,]+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)', attrs)
   if m:  # iota form: [groups, size] <= [dims] with an optional transpose
     return _iota(m.group(2)).reshape(int(m.group(1).split(',')[0]), -1).tolist()

@@ -361,12 +361,14 @@ def chunked_loss_sum(chunks: int, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT):
 
 def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: bool):
   """(loss sum, and with `grads` its gradients for x and w)."""
-  # Manual over the batch axes, so each device sums its rows' head gradient over the chunks
-  # before any reduction.
+  # Manual over the axes that split the rows, so each device sums its rows' head gradient over
+  # the chunks before any reduction. Rows are split over pipe, then the batch axes, as the
+  # pipeline leaves them (`pipeline_layers`): every row's head and loss run once. (Axes of size
+  # 1 are left out: XLA's partitioner rejects collectives over them here.)
   mesh = jax.sharding.get_abstract_mesh()
-  # (Axes of size 1 are left out: XLA's partitioner rejects collectives over them here.)
   batch_axes = () if mesh.empty else tuple(
-      a for a in spec_axes(logical_spec('batch')[0]) if mesh.shape[a] > 1)
+      a for a in ('pipe', *spec_axes(logical_spec('batch')[0]))
+      if mesh.shape[a] > 1 and a not in mesh.manual_axes)
   batch_entry = batch_axes or None
   embed_axes, vocab_axes = (spec_axes(e) for e in logical_spec('embed', 'vocab'))
   scatter_axes = tuple(a for a in embed_axes if a in batch_axes)

@@ -4,7 +4,8 @@ The layer stack is cut into S stages, one per `pipe` device. Inside `jax.shard_m
 over 'pipe' and the batch axes data/fsdp; 'tensor' stays compiler-managed within each stage)
 a `lax.scan` runs R·M + S − 1 iterations: in each, every stage runs its layers on what it
 holds, then `ppermute` moves the activations one stage on. Stage 0 takes micro-batch inputs,
-the last stage writes finished micro-batches.
+the last stage writes finished micro-batches, and at the end hands each stage M/S of them, so
+the output head runs once per row, split over the stages.
 
 Schedules: GPipe (R = 1), and circular with R repeats, where stage s holds the layer blocks
 s, s+S, s+2S, ... and a micro-batch goes round the ring R times. Under circular, the layer
@@ -77,7 +78,8 @@ def from_stage_order(tree, stages: int, repeats: int):
 
 def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spec: PipelineSpec,
                     model_cfg):
-  """The block stack run as a pipeline; equals `scan_blocks` over the layers in order.
+  """The block stack run as a pipeline; equals `scan_blocks` over the layers in order, with
+  the rows in `stage_row_order`: split over pipe, each stage holding M/S of the micro-batches.
 
   `segment_ids_BT` may be None (one sequence per row). Weights are gathered in the model's
   compute dtype and their gradients reduced in its grad_reduce_dtype."""
@@ -147,16 +149,33 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
     loop_buffer = jnp.broadcast_to(fill, x_M.shape) if R > 1 else jnp.zeros((), x_M.dtype)
     init = (fill, loop_buffer, jnp.zeros_like(x_M))
     (_, _, outputs), _ = jax.lax.scan(iteration, init, jnp.arange(spec.iterations))
-    return outputs[None]
+    # The last stage holds every output (the others zeros): each stage takes M/S of them, so
+    # what follows (the output head and loss) runs once per row, split over the stages.
+    mine = jax.lax.psum_scatter(outputs, 'pipe', scatter_dimension=0, tiled=True)
+    return mine.reshape(-1, *mine.shape[2:])
 
   rows = P(None, batch_axes)
   # Positions and segment ids of each micro-batch's rows (a None segment_ids has no leaves).
   info_M = jax.tree.map(lambda a: split_micro_batches(a, M), (positions_BT, segment_ids_BT))
-  out = jax.shard_map(stages_fn, in_specs=(in_specs, rows, rows),
-                      out_specs=P('pipe', None, batch_axes), axis_names=manual,
-                      check_vma=False)(staged, split_micro_batches(x_BTD, M), info_M)
-  y_M = out[S - 1]
-  return y_M.swapaxes(0, 1).reshape(x_BTD.shape)  # undoes split_micro_batches
+  return jax.shard_map(stages_fn, in_specs=(in_specs, rows, rows),
+                       out_specs=P(('pipe', *batch_axes)), axis_names=manual,
+                       check_vma=False)(staged, split_micro_batches(x_BTD, M), info_M)
+
+
+def stage_row_order(a, micro_batches: int):
+  """The rows of `a` [B, ...] as `pipeline_layers` returns them: split over pipe, then the
+  batch axes, each device holding its stage's M/S micro-batches of its own rows, micro-batch by
+  micro-batch. Rearranged where they are: nothing moves between devices."""
+  batch_axes = spec_axes(logical_spec('batch')[0])
+
+  def local(a):
+    a_M = a.reshape(-1, micro_batches, *a.shape[1:]).swapaxes(0, 1)  # as split_micro_batches
+    per_stage = micro_batches // jax.lax.axis_size('pipe')
+    mine = jax.lax.dynamic_slice_in_dim(a_M, jax.lax.axis_index('pipe') * per_stage, per_stage)
+    return mine.reshape(-1, *a.shape[1:])
+
+  return jax.shard_map(local, in_specs=P(batch_axes), out_specs=P(('pipe', *batch_axes)),
+                       axis_names={'pipe', *batch_axes})(a)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

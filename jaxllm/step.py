@@ -14,7 +14,7 @@ from ml_collections import ConfigDict
 from jaxllm.mesh import (check_divisible, logical_spec, sharding_context, spec_axes,
                          split_micro_batches)
 from jaxllm.model import Transformer, sequence_positions
-from jaxllm.pipeline import PipelineSpec, pipeline_layers, to_stage_order
+from jaxllm.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
 
 
 class TrainState(NamedTuple):
@@ -71,10 +71,13 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
   if pipeline:
     x_BTD = pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, pipeline,
                             model.cfg)
+    # The loss is a sum over rows: it takes them in the pipeline's order.
+    targets_BT, mask_BT = (stage_row_order(batch[k], pipeline.microbatches)
+                           for k in ('targets', 'mask'))
   else:
     x_BTD = model.layers(x_BTD, positions_BT, segment_ids_BT)
-  mask_BT = batch['mask']
-  return model.loss_sum(x_BTD, batch['targets'], mask_BT), jnp.sum(mask_BT.astype(jnp.float32))
+    targets_BT, mask_BT = batch['targets'], batch['mask']
+  return model.loss_sum(x_BTD, targets_BT, mask_BT), jnp.sum(mask_BT.astype(jnp.float32))
 
 
 def replicated_batch_axes(params) -> tuple[str, ...]:

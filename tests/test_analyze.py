@@ -25,7 +25,8 @@ def comm_config(**mesh):
 
 
 # Which meshes' figures are exact: data (the gradient all-reduce is the only traffic) and
-# pipe (stage shifts, bubbles included, plus the batch into and out of the pipeline). fsdp is
+# pipe (stage shifts, bubbles included, the outputs handed to the stages, the input's gradient
+# and the output head's). fsdp is
 # a little under 3(N−1)/N·P because XLA keeps the gathered output head from forward for
 # backward; tensor a little over 4 all-reduces per layer, for the output head's backward and
 # the vocabulary-split loss. The GPU's program meets them as the CPU compiler's does, in fp32
@@ -33,7 +34,7 @@ def comm_config(**mesh):
 @pytest.mark.parametrize('compiler', ['cpu', 'gpu'])
 @pytest.mark.parametrize('mesh, low, high', [
     (dict(data=8), 0.999, 1.001),
-    (dict(pipe=2, data=4), 0.999, 1.001),
+    (dict(pipe=4, data=2), 0.999, 1.001),
     (dict(fsdp=8), 0.99, 1.01),  # token ids (int32) are the only bytes no formula counts
     (dict(tensor=8), 1.0, 1.15),  # the vocabulary-split loss adds a few per chunk
 ])
@@ -105,6 +106,11 @@ def test_collective_groups_are_read_in_every_form():
   groups = hlo.device_groups(
       "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}, x")
   assert groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  # Sub-axes: axis_0 (4) is a major factor 2 and a minor 2; groups run along one of them.
+  sub_axis = "replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0':(%d)2}, x"
+  assert hlo.device_groups(sub_axis % 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+  assert hlo.device_groups(sub_axis % 1) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert hlo.group_axes(hlo.device_groups(sub_axis % 2), mesh)[0] == ('fsdp',)
   assert hlo.group_axes(hlo.device_groups('source_target_pairs={{0,4},{4,0}}, x'), mesh,
                         permute=True) == (('data',), 2)
 

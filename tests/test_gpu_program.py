@@ -348,14 +348,19 @@ def test_embedding_table_is_never_gathered(tiny_program):
   assert fsdp_dtypes(tiny_program, 'all-to-all') == {'bf16'}
 
 
+def logit_positions(compiled) -> int:
+  """The most positions any fp32 [..., V] logits array of the program holds, counted as rows ×
+  positions however XLA lays them out."""
+  V = compiled.cfg.model.vocab_size
+  return max(math.prod(int(d) for d in shape.split('[')[1].rstrip(']').split(',')[:-1])
+             for _, shape, _ in hlo.largest_values(compiled.text, k=1000)
+             if shape.startswith('f32[') and shape.endswith(f',{V}]'))
+
+
 def test_logits_exist_one_chunk_at_a_time(one_b_program):
   """The 1B-width program (2 rows of 4096 per micro-batch, vocabulary 128,256) holds fp32
   logits for model.loss_chunk = 1024 positions at a time, never for the whole sequence."""
-  V = one_b_program.cfg.model.vocab_size
-  positions = {math.prod(int(d) for d in shape.split('[')[1].rstrip(']').split(',')[:-1])
-               for _, shape, _ in hlo.largest_values(one_b_program.text, k=1000)
-               if shape.startswith('f32[') and shape.endswith(f',{V}]')}
-  assert max(positions) == 2 * 1024  # rows × chunk positions, however XLA lays them out
+  assert logit_positions(one_b_program) == 2 * 1024
 
 
 @pytest.fixture(scope='session')
@@ -378,3 +383,12 @@ def test_pipeline_gathers_stage_weights_in_bf16(gather, pipeline_program, h100s)
   assert fsdp_dtypes(compiled, 'all-gather') == {'bf16', 's32'}
   assert fsdp_dtypes(compiled, 'reduce-scatter') == {'f32'}
 
+
+def test_the_pipeline_runs_the_output_head_once_per_row(pipeline_program):
+  """The last stage hands each stage M/S of the finished micro-batches: each device makes the
+  logits of its 16 / (data × fsdp × pipe) = 2 rows of 128 positions, not of the 4 its pipe
+  group holds (the head ran on every stage, on every row, before)."""
+  c = pipeline_program
+  rows = c.cfg.train.global_batch // (c.mesh_shape['data'] * c.mesh_shape['fsdp'] *
+                                      c.mesh_shape['pipe'])
+  assert logit_positions(c) == rows * c.cfg.data.seq_len == 2 * 128
