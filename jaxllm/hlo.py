@@ -377,6 +377,7 @@ class FusedAttention:
   mask: str            # the kernel's own mask: 'CAUSAL', 'NO_MASK', 'PADDING_CAUSAL', ...
   bias: str | None     # a [.., T, S] bias operand (e.g. a dense mask made into one): its shape
   flops: float         # per execution, from the shapes
+  segments: int = 1    # spans of each row it attends within (cuDNN's packed layout when > 1)
 
   @property
   def backward(self) -> bool:
@@ -386,7 +387,8 @@ class FusedAttention:
 def fused_attention(hlo_text: str) -> list[FusedAttention]:
   """The cuDNN attention kernels of a program. FLOPs are counted from the shapes (the kernels
   report none): 4·B·N·T·S·H forward (Q·Kᵀ and P·V), 10·B·N·T·S·H backward (Q·Kᵀ again and
-  four gradient matmuls), halved under a causal mask, whose upper triangle the kernel skips."""
+  four gradient matmuls), halved under a causal mask, whose upper triangle the kernel skips;
+  packed rows count as one sequence each, an upper bound on their documents' work."""
   computations, counts = _program(hlo_text)
   found = []
   for comp, insts in computations.items():
@@ -404,8 +406,10 @@ def fused_attention(hlo_text: str) -> list[FusedAttention]:
       mask = mask.group(1) if mask else 'NO_MASK'
       bias = next((f'{t}[{",".join(map(str, d))}]' for t, d in operands[3:]
                    if dims and len(d) == len(dims) and d[-2:] == tuple(dims[-2:])), None)
+      segments = re.search(r'"max_seg_per_batch":(\d+)', config)
       kernel = FusedAttention(target.group(1), counts[comp],
-                              '"is_flash_attention":true' in config, mask, bias, 0.0)
+                              '"is_flash_attention":true' in config, mask, bias, 0.0,
+                              int(segments.group(1)) if segments else 1)
       if dims and operands:  # [B, N, T, S] scores, each of head dim H (q's last)
         kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims) * operands[0][1][-1]
                         * (0.5 if 'CAUSAL' in mask else 1.0))
