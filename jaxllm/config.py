@@ -75,6 +75,9 @@ def default_config() -> ConfigDict:
       # element type weight gradients are summed in across the devices that split the batch
       grad_reduce_dtype='float32',
       attention='xla',        # 'xla' everywhere, 'cudnn' fused flash attention on NVIDIA GPUs
+      # cudnn: documents a packed row may hold (the loader refuses a row with more). cuDNN
+      # keeps fp32 softmax statistics for each as if it filled the row: [rows·M, heads, T].
+      max_documents=16,
       # What each layer keeps for its backward, pipelined or not (the rest is recomputed):
       # 'none' (everything), 'full' (only its input), 'dots' (weight-matmul outputs; reruns
       # attention), 'dots_except_mlp' (q, k, v and attention's output and statistics;
@@ -257,7 +260,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
                       'data.eval_path or data.eval_fraction, or eval.every=0.')
 
   for field in ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads',
-                'head_dim', 'mlp_dim'):
+                'head_dim', 'mlp_dim', 'max_documents'):
     if m[field] < 1:
       raise ConfigError(f'model.{field}={m[field]} must be positive.')
   if m.head_dim % 2:

@@ -449,6 +449,7 @@ class FusedAttention:
   bias: str | None     # a [.., T, S] bias operand (e.g. a dense mask made into one): its shape
   recomputed_by: str | None  # a forward rerun in the backward: by whom (see `recomputed_by`)
   flops: float         # per execution, from the shapes
+  segments: int = 1    # spans of each row it attends within (cuDNN's packed layout when > 1)
 
   @property
   def backward(self) -> bool:
@@ -458,7 +459,8 @@ class FusedAttention:
 def fused_attention(hlo_text: str) -> list[FusedAttention]:
   """The cuDNN attention kernels of a program. FLOPs are counted from the shapes (the kernels
   report none): 4·B·N·T·S·H forward (Q·Kᵀ and P·V), 10·B·N·T·S·H backward (Q·Kᵀ again and
-  four gradient matmuls), halved under a causal mask, whose upper triangle the kernel skips."""
+  four gradient matmuls), halved under a causal mask, whose upper triangle the kernel skips;
+  packed rows count as one sequence each, an upper bound on their documents' work."""
   computations, counts = _program(hlo_text)
   found = []
   for comp, insts in computations.items():
@@ -476,9 +478,11 @@ def fused_attention(hlo_text: str) -> list[FusedAttention]:
       mask = mask.group(1) if mask else 'NO_MASK'
       bias = next((f'{t}[{",".join(map(str, d))}]' for t, d in operands[3:]
                    if dims and len(d) == len(dims) and d[-2:] == tuple(dims[-2:])), None)
+      segments = re.search(r'"max_seg_per_batch":(\d+)', config)
       kernel = FusedAttention(target.group(1), counts[comp],
                               '"is_flash_attention":true' in config, mask, bias,
-                              recomputed_by(hlo_text, comp, inst), 0.0)
+                              recomputed_by(hlo_text, comp, inst), 0.0,
+                              int(segments.group(1)) if segments else 1)
       if dims and operands:  # [B, N, T, S] scores, each of head dim H (q's last)
         kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims) * operands[0][1][-1]
                         * (0.5 if 'CAUSAL' in mask else 1.0))

@@ -209,7 +209,8 @@ class Attention(nnx.Module):
     q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
     k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
     if cache is None:
-      o_BTNH = sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
+      o_BTNH = sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention,
+                                 self.cfg.max_documents)
     else:
       o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache)
     o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
@@ -441,12 +442,16 @@ def _chunked_loss_bwd(chunks, grad_dtype, residuals, g):
 chunked_loss_sum.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
-def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: str):
+def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: str,
+                      max_documents: int):
   """Causal attention inside each document, computed where the rows and heads are: rows
   split as the batch, heads as the head activations, each sequence whole. No shard then needs
   another's data, and cuDNN's fused kernel sees local arrays: JAX's partitioning rule for it
-  fails inside the pipeline's shard_map, where some mesh axes are already manual."""
+  fails inside the pipeline's shard_map, where some mesh axes are already manual.
+  Packed rows reach cuDNN as up to `max_documents` spans each (`packed_cudnn_attention`)."""
   def attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT):
+    if implementation == 'cudnn' and segment_ids_BT is not None:
+      return packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents)
     return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
                                         mask=segment_mask(segment_ids_BT),
                                         implementation=implementation)
@@ -462,6 +467,53 @@ def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: st
   return jax.shard_map(attend, in_specs=(q_spec, kv_spec, kv_spec, rows), out_specs=q_spec,
                        axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
                        check_vma=False)(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+
+
+def document_spans(segment_ids_BT, max_documents: int):
+  """Each row's documents as cuDNN's packed layout describes them: starts [B, M+1] and
+  lengths [B, M], M = max_documents, -1 past a row's last document (the layout keeps the last
+  start column for that too). A document is a run of equal segment ids; a run of padding
+  (id 0) is one as well, so every token lies in a span and gets a defined output. A row with
+  more than M runs gives its last span the rest of the row: the loader refuses such rows."""
+  B, T = segment_ids_BT.shape
+  opens_document_BT = jnp.concatenate(
+      [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+  span_BT = jnp.minimum(jnp.cumsum(opens_document_BT, axis=1) - 1, max_documents - 1)
+  in_span_BTM = span_BT[:, :, None] == jnp.arange(max_documents)
+  lengths_BM = jnp.sum(in_span_BTM, axis=1, dtype=jnp.int32)
+  starts_BM = jnp.argmax(in_span_BTM, axis=1).astype(jnp.int32)  # a span's first token
+  present_BM = lengths_BM > 0
+  starts_BM = jnp.where(present_BM, starts_BM, -1)
+  return (jnp.pad(starts_BM, ((0, 0), (0, 1)), constant_values=-1),
+          jnp.where(present_BM, lengths_BM, -1))
+
+
+def packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents: int):
+  """Causal attention inside each document of packed rows, in cuDNN's packed layout: the
+  kernel takes each row's documents as spans (`document_spans`), so no [T, T] mask is made,
+  nor its gradient. cuDNN keeps fp32 softmax statistics for each of the M spans as if it
+  filled the row, [B·M, N, T]: hence a bound M (model.max_documents), not the T a row of
+  one-token documents would need.
+
+  JAX offers the layout only in its private cuDNN module (jax.nn.dot_product_attention takes
+  one length per row), hence this one function. It allows the layout from Hopper on (asking
+  the GPU compiled for: `jaxllm.backends.lowering_for`); before, the dense segment mask goes
+  to cuDNN as a [B, 1, T, T] bias."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  if not cudnn.check_compute_capability('9.0'):
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                        mask=segment_mask(segment_ids_BT),
+                                        implementation='cudnn')
+  T, N, H = q_BTNH.shape[1:]
+  # JAX up to 0.11.0 steps through the keys by the query's head count: with fewer kv heads
+  # it would read other tokens' keys (fixed upstream after 0.11.0). One kv head per query
+  # head keeps the two strides equal.
+  k_BTNH, v_BTNH = (jnp.repeat(a, N // a.shape[2], axis=2) for a in (k_BTKH, v_BTKH))
+  starts_BM1, lengths_BM = document_spans(segment_ids_BT, min(max_documents, T))
+  return cudnn.dot_product_attention(
+      q_BTNH, k_BTNH, v_BTNH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM,
+      q_offsets=starts_BM1, kv_offsets=starts_BM1, scale=1 / math.sqrt(H),
+      mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout='BTNH')
 
 
 def segment_mask(segment_ids_BT):

@@ -134,6 +134,26 @@ def test_packed_rows_mark_documents(tmp_path, mesh):
       'mask': np.float32}
 
 
+@pytest.mark.parametrize('attention, max_documents, refused', [
+    ('cudnn', 3, False), ('cudnn', 2, True), ('xla', 2, False)])
+def test_cudnn_rows_hold_at_most_max_documents(tmp_path, mesh, attention, max_documents,
+                                               refused):
+  """cuDNN's packed attention has room for model.max_documents documents per row: a row with
+  more (here the second, of 3) is refused by name, not attended across. XLA takes any."""
+  write_token_records(str(tmp_path / 'eval.arrayrecord'), [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]])
+  cfg = files_config(tmp_path / 'eval.arrayrecord', eval_path=str(tmp_path / 'eval.arrayrecord'),
+                     seq_len=6)
+  cfg.train.global_batch = 2
+  cfg.eval.batches = 1
+  cfg.model.update(attention=attention, max_documents=max_documents)
+  if not refused:
+    assert len(list(make_eval_batches(cfg, mesh)())) == 1
+    return
+  with pytest.raises(ConfigError, match=r'a packed row holds 3 documents, more than '
+                                        r'model.max_documents=2 .*raise model.max_documents'):
+    list(make_eval_batches(cfg, mesh)())
+
+
 def test_unpacked_rows_hold_one_document_each(tmp_path, mesh):
   """Short documents are padded with segment 0 (masked out), long ones cut to seq_len + 1."""
   write_token_records(str(tmp_path / 'eval.arrayrecord'), [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11]])

@@ -101,31 +101,59 @@ def test_the_program_is_the_h100s(tiny_program):
 
 def test_cudnn_flash_attention_runs_both_ways(tiny_program, one_b_program):
   """Forward and backward are cuDNN flash kernels, one pair per layer per micro-batch (plus a
-  forward recomputed under remat='dots'). Packed rows reach the kernel as a dense [B,1,T,T]
-  bias (the segment mask; B = 16 rows / 4 shards); one sequence per row needs none."""
+  forward recomputed under remat='dots'). Packed rows reach them in cuDNN's packed layout:
+  each row's documents as spans (model.max_documents = 16 per row), no bias; one sequence per
+  row needs neither."""
   kernels = {k.target: k for k in hlo.fused_attention(tiny_program.text)}
-  assert set(kernels) == {'__cudnn$fmhaScaleBiasSoftmax', '__cudnn$fmhaScaleBiasSoftmaxBackward'}
+  assert set(kernels) == {'__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'}
   for k in kernels.values():
-    assert k.flash and k.mask == 'CAUSAL' and k.bias == 'bf16[4,1,128,128]' and k.count == 4
+    assert k.flash and k.mask == 'PADDING_CAUSAL' and k.segments == 16 and k.bias is None
+    assert k.count == 4
   forward = [k for k in hlo.fused_attention(one_b_program.text) if not k.backward]
   backward = [k for k in hlo.fused_attention(one_b_program.text) if k.backward]
   cfg = one_b_program.cfg
   layers, micro = cfg.model.num_layers, cfg.train.micro_batches
   assert sum(k.count for k in forward) == 2 * layers * micro  # remat recomputes the forward
   assert sum(k.count for k in backward) == layers * micro
-  assert all(k.flash and k.bias is None and k.mask == 'CAUSAL' for k in forward + backward)
+  assert all(k.flash and k.bias is None and k.mask == 'CAUSAL' and k.segments == 1
+             for k in forward + backward)
   # rows × 32 heads × 4096² × 64 per kernel: 4× that forward, 10× backward, causal half.
   per = cfg.train.global_batch // micro * 32 * 4096 * 4096 * 64
   assert {k.flops for k in forward} == {2 * per} and {k.flops for k in backward} == {5 * per}
 
 
-def test_cudnn_attention_compiles_inside_the_pipeline(tiny_pipelines):
-  """Inside the pipeline's shard_map (manual over pipe and the batch axes) JAX's partitioning
-  rule for cuDNN attention fails to compile; attention runs on local shards instead."""
-  kernels = hlo.fused_attention(tiny_pipelines('none', 'gpipe').text)
+def square_arrays(hlo_text: str, T: int) -> set[str]:
+  """Shapes in the program with two dimensions of T."""
+  return {shape for shape, dims in re.findall(r'\b(\w+\[([\d,]+)\])', hlo_text)
+          if dims.split(',').count(str(T)) >= 2}
+
+
+@pytest.mark.parametrize('pipe', [1, 2])
+def test_packed_rows_make_no_sequence_by_sequence_array(h100s, pipe):
+  """Packed rows of 256 tokens (not the width, 128, so no activation has two dimensions of
+  256): no array in the program is [.., 256, 256] (no segment mask, no bias, nor its
+  gradient), with or without the pipeline. Inside the pipeline's shard_map (manual over pipe
+  and the batch axes) JAX's partitioning rule for cuDNN attention fails to compile; attention
+  runs on local shards instead."""
+  cfg = tiny()
+  cfg.data.seq_len = 256
+  if pipe > 1:
+    cfg.mesh.update(data=2, fsdp=1, pipe=pipe, tensor=2)
+  text = compile_step(cfg, h100s).text
+  kernels = hlo.fused_attention(text)
+  assert {k.target for k in kernels} == {'__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'}
+  assert all(k.flash and k.mask == 'PADDING_CAUSAL' and k.segments == 16 for k in kernels)
+  assert square_arrays(text, 256) == set()
+
+
+def test_packed_rows_reach_cudnn_as_a_mask_before_hopper():
+  """JAX offers cuDNN's packed layout from Hopper on: on A100s packed rows reach the kernels
+  as the dense segment mask, a [B,1,T,T] bias (B = 16 rows / 4 shards)."""
+  kernels = hlo.fused_attention(compile_step(tiny(), backends.gpu_devices(A100, 8)).text)
   assert {k.target for k in kernels} == {'__cudnn$fmhaScaleBiasSoftmax',
                                          '__cudnn$fmhaScaleBiasSoftmaxBackward'}
-  assert all(k.flash for k in kernels)
+  assert all(k.flash and k.mask == 'CAUSAL' and k.bias == 'bf16[4,1,128,128]' and
+             k.segments == 1 for k in kernels)
 
 
 # Attention forwards per backward kernel: the backward reruns the forward unless the policy
@@ -294,7 +322,7 @@ def test_analyze_json_and_dump_show_the_gpu_program(tmp_path):
   assert r['mesh'] == dict(data=2, fsdp=2, pipe=1, tensor=2) and r['prediction']['step_s'] > 0
   assert r['compiler']['platform'] == 'gpu' and r['compiler']['compile_only']
   assert r['compiler']['device'] == 'NVIDIA H100 80GB HBM3'
-  assert {k['target'] for k in r['attention']['kernels']} >= {'__cudnn$fmhaScaleBiasSoftmax'}
+  assert {k['target'] for k in r['attention']['kernels']} >= {'__cudnn$fmhaSoftmax'}
   assert ('tensor', 'bf16') in {(c['axes'][0], c['dtype']) for c in r['collectives']}
   assert sorted(os.listdir(dump)) == ['program.hlo.txt', 'report.json', 'report.txt']
   assert json.loads((dump / 'report.json').read_text()) == r

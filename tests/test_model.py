@@ -1,5 +1,7 @@
 """The model against independent references: numpy attention/RoPE, a per-layer loop."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,8 @@ from jaxllm.config import resolve_mesh
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.metrics import param_counts
 from jaxllm.config import default_config
-from jaxllm.model import (Attention, Transformer, chunked_loss_sum, project, rope_frequencies,
-                          sharded_lookup)
+from jaxllm.model import (Attention, Transformer, chunked_loss_sum, document_spans, project,
+                          rope_frequencies, sharded_attention, sharded_lookup)
 from jaxllm.step import loss_terms
 
 
@@ -217,6 +219,84 @@ def test_no_token_attends_across_documents(one_device):
   # The second document alone, at positions 0.., gives the same logits as inside the row.
   alone = model(tokens[:, 6:])
   np.testing.assert_allclose(before[:, 6:], alone, rtol=1e-5, atol=1e-5)
+
+
+# Rows of 12 tokens: several documents, one, padding (segment id 0) after documents, a row
+# of padding alone, and 12 documents of one token each (the most a row can hold).
+PACKED_ROWS = np.array([
+    [1, 1, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4],
+    [1] * 12,
+    [1, 1, 1, 1, 2, 2, 2, 0, 0, 0, 0, 0],
+    [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    [0] * 12,
+    list(range(1, 13)),
+], np.int32)
+
+
+def spans_mask(starts_BM1, lengths_BM, T: int) -> np.ndarray:
+  """[B, T, T]: where cuDNN's packed layout with a causal mask lets query t see key s, read
+  from the spans alone (s ≤ t, both inside one span); also checks their padding."""
+  starts_BM1, lengths_BM = np.asarray(starts_BM1), np.asarray(lengths_BM)
+  assert (starts_BM1[:, -1] == -1).all()  # the layout's spare column
+  assert ((starts_BM1[:, :-1] == -1) == (lengths_BM == -1)).all()
+  mask = np.zeros((len(lengths_BM), T, T), bool)
+  for b, m in zip(*np.nonzero(lengths_BM >= 0)):
+    start, end = starts_BM1[b, m], starts_BM1[b, m] + lengths_BM[b, m]
+    mask[b, start:end, start:end] |= np.tri(end - start, dtype=bool)
+  return mask
+
+
+@pytest.mark.parametrize('max_documents', [12, 16])
+def test_document_spans_are_the_documents(max_documents):
+  """The spans given to cuDNN allow exactly what the dense segment mask allows: same
+  segment id, causal; every token sees itself, so each lies in a span (padding too) and gets
+  an output. With M = T = 12 the row of one-token documents fills every span."""
+  starts, lengths = jax.jit(document_spans, static_argnums=1)(PACKED_ROWS, max_documents)
+  assert starts.shape == (6, max_documents + 1) and lengths.shape == (6, max_documents)
+  got = spans_mask(starts, lengths, 12)
+  same = PACKED_ROWS[:, :, None] == PACKED_ROWS[:, None, :]
+  np.testing.assert_array_equal(got, same & np.tri(12, dtype=bool))
+  np.testing.assert_array_equal(np.sum(np.asarray(lengths) > 0, axis=1), [4, 1, 3, 2, 1, 12])
+
+
+def documents_row(lengths, T: int) -> np.ndarray:
+  """Segment ids of a row holding documents of these lengths, then padding (id 0)."""
+  ids = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+  return np.pad(ids, (0, T - len(ids))).astype(np.int32)
+
+
+def hopper_or_newer() -> bool:
+  """Whether JAX runs on an NVIDIA GPU of compute capability 9.0 or more: cuDNN's packed
+  layout needs one."""
+  return jax.default_backend() == 'gpu' and tuple(
+      int(x) for x in jax.devices()[0].compute_capability.split('.')) >= (9, 0)
+
+
+@pytest.mark.skipif(not hopper_or_newer(), reason='cuDNN\'s packed layout needs a Hopper GPU')
+@pytest.mark.parametrize('max_documents', [4, 256])
+def test_packed_cudnn_attention_matches_the_segment_mask(max_documents):
+  """On a GPU: cuDNN's packed layout gives the outputs and gradients of XLA's attention under
+  the dense segment mask (computed in fp32 from the same bf16 inputs), with grouped-query
+  heads. Rows of up to `max_documents` documents; at 256, one of 256 one-token documents."""
+  T, N, K, H = 256, 4, 2, 64
+  rows = [[100, 30, 1, 125], [256], [60, 40], [7]] + ([[1] * 256] if max_documents == T else [])
+  segment_ids = jnp.asarray(np.stack([documents_row(r, T) for r in rows]))
+  keys = jax.random.split(jax.random.key(4), 4)
+  q, k, v, ct = (jax.random.normal(key, (len(rows), T, heads, H), jnp.bfloat16)
+                 for key, heads in zip(keys, (N, K, K, N)))
+
+  @functools.partial(jax.jit, static_argnums=(0, 1))
+  def outputs_and_gradients(implementation, dtype, q, k, v, ct, segment_ids):
+    def attend(q, k, v):
+      return sharded_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), segment_ids,
+                               implementation, max_documents)
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(ct.astype(out.dtype))
+
+  got = outputs_and_gradients('cudnn', jnp.bfloat16, q, k, v, ct, segment_ids)
+  want = outputs_and_gradients('xla', jnp.float32, q, k, v, ct, segment_ids)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=3e-2, atol=3e-2)
 
 
 def test_dots_except_mlp_keeps_less_than_dots(one_device):

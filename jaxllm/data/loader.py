@@ -38,8 +38,9 @@ READ_OPTIONS = grain.ReadOptions(num_threads=min(8, os.cpu_count() or 1), prefet
 Batch = dict[str, np.ndarray]
 
 
-def to_example(rows: Batch, packed: bool) -> Batch:
-  """Rows of seq_len + 1 tokens (with their segment ids and positions) -> the batch dict."""
+def to_example(rows: Batch, packed: bool, max_documents: int | None = None) -> Batch:
+  """Rows of seq_len + 1 tokens (with their segment ids and positions) -> the batch dict.
+  Packed rows may hold at most `max_documents` documents (None: any number)."""
   tokens, segments = rows['tokens'], rows['tokens_segment_ids']
   same_document = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
   example = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
@@ -47,7 +48,20 @@ def to_example(rows: Batch, packed: bool) -> Batch:
              'mask': same_document.astype(np.float32)}
   if packed:
     example['segment_ids'] = segments[:, :-1]
+    if max_documents:
+      check_documents(example['segment_ids'], max_documents)
   return example
+
+
+def check_documents(segment_ids: np.ndarray, max_documents: int) -> None:
+  """Refuses rows holding more documents (runs of equal segment ids, as the model counts
+  them) than cuDNN's packed attention makes room for: it would attend across the extra ones."""
+  documents = 1 + np.count_nonzero(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1)
+  if documents.max() > max_documents:
+    raise ConfigError(
+        f'a packed row holds {documents.max()} documents, more than model.max_documents='
+        f"{max_documents} that model.attention='cudnn' makes room for; raise "
+        "model.max_documents, or use model.attention='xla' or data.packing=False.")
 
 
 def pad_document(tokens: np.ndarray, length: int) -> Batch:
@@ -92,8 +106,9 @@ def stream_batches(cfg: ConfigDict, documents, tokenize: Callable[[object], np.n
         length_struct={'tokens': length})
   else:
     packed = docs.map(lambda ids: pad_document(ids, length)).to_iter_dataset(READ_OPTIONS)
+  max_documents = cfg.model.max_documents if cfg.model.attention == 'cudnn' else None
   batches = packed.batch(rows, drop_remainder=True).map(
-      functools.partial(to_example, packed=cfg.data.packing))
+      functools.partial(to_example, packed=cfg.data.packing, max_documents=max_documents))
   if train and cfg.data.prefetch:
     batches = grain.experimental.ThreadPrefetchIterDataset(
         batches, prefetch_buffer_size=cfg.data.prefetch)
