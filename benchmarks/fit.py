@@ -2,7 +2,7 @@
 and predicts, and the largest global batch that fits.
 
     python benchmarks/fit.py --config configs/llama3_8b.py --devices 8 \
-        --remat none,full,dots,dots_except_mlp [--hardware h100-nvlink] [--config.a.b=v ...]
+        --remat none,full,dots,dots_except_mlp,attention [--hardware h100-nvlink] [--config.a.b=v ...]
 
 Compiles the train step from shapes for the profile's GPUs (as `jaxllm.analyze` does) at the
 config's global batch, then at doubling batches from there until the peak no longer fits what
@@ -28,7 +28,7 @@ from jaxllm.hardware import hardware_profile
 from programs import per_axis_text
 
 # --devices, --hardware and --device-memory are analyze's.
-_REMAT = flags.DEFINE_list('remat', ['none', 'full', 'dots', 'dots_except_mlp'],
+_REMAT = flags.DEFINE_list('remat', ['none', 'full', 'dots', 'dots_except_mlp', 'attention'],
                            'Remat policies, one row each.')
 _MAX_DOUBLINGS = flags.DEFINE_integer('max-doublings', 6, 'Stop doubling the batch after this.')
 

@@ -34,7 +34,9 @@ def comm_config(**mesh):
 @pytest.mark.parametrize('compiler', ['cpu', 'gpu'])
 @pytest.mark.parametrize('mesh, low, high', [
     (dict(data=8), 0.999, 1.001),
-    (dict(pipe=4, data=2), 0.999, 1.001),
+    # (With data > 1 too, XLA's GPU compiler merges the head's pipe all-reduce into the data
+    # one, a group no single-axis figure counts.)
+    (dict(pipe=4, fsdp=2), 0.999, 1.001),
     (dict(fsdp=8), 0.99, 1.01),  # token ids (int32) are the only bytes no formula counts
     (dict(tensor=8), 1.0, 1.15),  # the vocabulary-split loss adds a few per chunk
 ])

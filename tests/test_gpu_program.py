@@ -377,12 +377,14 @@ def test_embedding_table_is_never_gathered(tiny_program):
 
 
 def logit_positions(compiled) -> int:
-  """The most positions any fp32 [..., V] logits array of the program holds, counted as rows ×
-  positions however XLA lays them out."""
+  """The most positions any fp32 [..., V] logits the program makes hold, counted as rows ×
+  positions however XLA lays them out. Logits are the head matmul's output ('bcd,dv->bcv' in
+  `model._chunk_logits`): other [..., V] arrays, such as the head's gradient being summed, are
+  not logits."""
   V = compiled.cfg.model.vocab_size
   return max(math.prod(int(d) for d in shape.split('[')[1].rstrip(']').split(',')[:-1])
-             for _, shape, _ in hlo.largest_values(compiled.text, k=1000)
-             if shape.startswith('f32[') and shape.endswith(f',{V}]'))
+             for _, shape, op in hlo.largest_values(compiled.text, k=1000)
+             if shape.startswith('f32[') and shape.endswith(f',{V}]') and 'bcd,dv->bcv' in op)
 
 
 def test_logits_exist_one_chunk_at_a_time(one_b_program):
