@@ -448,9 +448,10 @@ def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: st
   split as the batch, heads as the head activations, each sequence whole. No shard then needs
   another's data, and cuDNN's fused kernel sees local arrays: JAX's partitioning rule for it
   fails inside the pipeline's shard_map, where some mesh axes are already manual.
-  Packed rows reach cuDNN as up to `max_documents` spans each (`packed_cudnn_attention`)."""
+  Packed rows reach cuDNN as up to `max_documents` spans each (`packed_cudnn_attention`)
+  where the GPU takes that layout, as the dense segment mask elsewhere."""
   def attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT):
-    if implementation == 'cudnn' and segment_ids_BT is not None:
+    if implementation == 'cudnn' and segment_ids_BT is not None and cudnn_packed_layout():
       return packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents)
     return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
                                         mask=segment_mask(segment_ids_BT),
@@ -488,6 +489,14 @@ def document_spans(segment_ids_BT, max_documents: int):
           jnp.where(present_BM, lengths_BM, -1))
 
 
+def cudnn_packed_layout() -> bool:
+  """Whether JAX offers cuDNN's packed layout on the GPU compiled for (asked of it:
+  `jaxllm.backends.lowering_for`): from Hopper on. Before, the dense segment mask goes to cuDNN
+  as a [B, 1, T, T] bias."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  return cudnn.check_compute_capability('9.0')
+
+
 def packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents: int):
   """Causal attention inside each document of packed rows, in cuDNN's packed layout: the
   kernel takes each row's documents as spans (`document_spans`), so no [T, T] mask is made,
@@ -496,14 +505,8 @@ def packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents
   one-token documents would need.
 
   JAX offers the layout only in its private cuDNN module (jax.nn.dot_product_attention takes
-  one length per row), hence this one function. It allows the layout from Hopper on (asking
-  the GPU compiled for: `jaxllm.backends.lowering_for`); before, the dense segment mask goes
-  to cuDNN as a [B, 1, T, T] bias."""
+  one length per row), hence this one function, for GPUs that take it (`cudnn_packed_layout`)."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
-  if not cudnn.check_compute_capability('9.0'):
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
-                                        mask=segment_mask(segment_ids_BT),
-                                        implementation='cudnn')
   T, N, H = q_BTNH.shape[1:]
   # JAX up to 0.11.0 steps through the keys by the query's head count: with fewer kv heads
   # it would read other tokens' keys (fixed upstream after 0.11.0). One kv head per query
