@@ -71,7 +71,9 @@ def default_config() -> ConfigDict:
       tie_embeddings=False,
       init_std=0.02,
       dtype='float32',        # compute dtype of activations and matmuls
-      param_dtype='float32',  # storage dtype of parameters and optimizer state
+      # storage dtype of the parameters: the master weights the optimizer updates. At
+      # fine-tuning learning rates most updates are below bfloat16's spacing and round away.
+      param_dtype='float32',
       # element type weight gradients are summed in across the devices that split the batch
       grad_reduce_dtype='float32',
       attention='xla',        # 'xla' everywhere, 'cudnn' fused flash attention on NVIDIA GPUs
@@ -88,6 +90,9 @@ def default_config() -> ConfigDict:
       # taking each chunk's gradients as it goes: one [batch, loss_chunk, vocab] fp32 chunk
       # exists at a time, and nothing is recomputed in the backward.
       loss_chunk=1024,
+      # the context the model is for: max_position_embeddings of an exported config.json, and
+      # where generation stops. 0: data.seq_len
+      max_position=0,
   ))
 
   # -1 means "whatever is left of the devices"; at most one axis may say so.
@@ -148,6 +153,9 @@ def default_config() -> ConfigDict:
       eps=1e-8,
       weight_decay=0.1,    # not applied to norm scales
       clip_norm=1.0,       # global gradient norm clip; 0 turns it off
+      # dtype the AdamW moments are stored in; 'bfloat16' halves their memory but loses
+      # the small updates of low learning rates (gradients are always accumulated in fp32)
+      state_dtype='float32',
   ))
 
   c.data = ConfigDict(dict(
@@ -244,6 +252,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(m.dtype, 'model.dtype', DTYPES)
   _choice(m.param_dtype, 'model.param_dtype', DTYPES)
   _choice(m.grad_reduce_dtype, 'model.grad_reduce_dtype', DTYPES)
+  _choice(cfg.optim.state_dtype, 'optim.state_dtype', DTYPES)
   _choice(cfg.data.source, 'data.source', DATA_SOURCES)
   _choice(cfg.data.format, 'data.format', DATA_FORMATS)
   if not 0 <= cfg.data.eval_fraction < 1:
@@ -263,6 +272,9 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
                 'head_dim', 'mlp_dim', 'max_documents'):
     if m[field] < 1:
       raise ConfigError(f'model.{field}={m[field]} must be positive.')
+  if m.max_position < 0:
+    raise ConfigError(f'model.max_position={m.max_position} must be at least 0 '
+                      '(0: data.seq_len).')
   if m.head_dim % 2:
     raise ConfigError(f'model.head_dim={m.head_dim} must be even for rotary embeddings.')
   if m.loss_chunk < 0 or (m.loss_chunk and cfg.data.seq_len > m.loss_chunk and
@@ -306,6 +318,11 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
     if unknown:
       raise ConfigError(f'sharding.rules.{name}={tuple(axes)} names unknown mesh axes {unknown}; '
                         f'use {", ".join(MESH_AXES)}.')
+
+
+def context_length(cfg: ConfigDict) -> int:
+  """The context the model is for: model.max_position, or the rows it trains on."""
+  return cfg.model.max_position or cfg.data.seq_len
 
 
 def pipeline_shape(cfg: ConfigDict, stages: int) -> tuple[int, int]:

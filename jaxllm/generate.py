@@ -28,7 +28,7 @@ from ml_collections import ConfigDict
 
 from jaxllm.backends import start_backends
 from jaxllm.checkpoint import params_target, restore_params, saved_config
-from jaxllm.config import ConfigError, default_config, main_guard
+from jaxllm.config import ConfigError, context_length, default_config, main_guard
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.mesh import batch_sharding, flax_rules, make_mesh, sharding_context, spec_axes
 from jaxllm.model import KVCache, Transformer, sequence_positions
@@ -209,7 +209,7 @@ _TOP_K = flags.DEFINE_integer('top_k', None, 'Sample from the k likeliest tokens
 _TOP_P = flags.DEFINE_float('top_p', None, 'Sample from the nucleus of this probability mass.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Random seed of the sampling.')
 _CONTEXT = flags.DEFINE_integer('context', None, 'Positions the prompt and the new tokens may '
-                                'fill (default: data.seq_len of the checkpoint, '
+                                'fill (default: model.max_position or data.seq_len of the checkpoint, '
                                 'max_position_embeddings of a Hugging Face model).')
 _PRINT_IDS = flags.DEFINE_bool('print_ids', False, 'Print the new ids, comma-separated, last.')
 
@@ -265,8 +265,9 @@ def open_checkpoint(path: str) -> Model:
   """A jaxllm checkpoint's saved config and tokenizer; its parameters are read later."""
   cfg = saved_config(path, '--checkpoint')
   tokenizer = load_tokenizer(cfg.data)
-  return Model(cfg.model, None, cfg.sharding.rules, tokenizer, cfg.data.seq_len,
-               "data.seq_len of the checkpoint's config", tokenizer.eos_id)
+  source = 'model.max_position' if cfg.model.max_position else 'data.seq_len'
+  return Model(cfg.model, None, cfg.sharding.rules, tokenizer, context_length(cfg),
+               f"{source} of the checkpoint's config", tokenizer.eos_id)
 
 
 def load_hf(path: str, mesh: jax.sharding.Mesh) -> Model:

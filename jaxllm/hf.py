@@ -8,7 +8,7 @@ weights are [out, in] with the heads flattened, ours are [in, out] with heads as
 axis and the layers stacked on a leading axis. The rotary embedding needs no change: ours
 rotates the two halves of each head, as Hugging Face's `rotate_half` does.
 
-    python -m jaxllm.hf export --checkpoint RUN_DIR/checkpoints[/STEP] --out DIR
+    python -m jaxllm.hf export --checkpoint RUN_DIR/checkpoints[/STEP] --out DIR [--dtype D]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from safetensors.numpy import save_file
 
 from jaxllm.backends import start_backends
 from jaxllm.checkpoint import SHAPE_FIELDS, params_target, restore_params, saved_config
-from jaxllm.config import ConfigError, default_config, main_guard
+from jaxllm.config import DTYPES, ConfigError, context_length, default_config, main_guard
+from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.mesh import make_mesh
 from jaxllm.model import available_attention
 
@@ -96,15 +97,15 @@ def _rope(hf: dict, path: str) -> tuple[float, dict]:
 
 def model_config(path: str) -> ConfigDict:
   """jaxllm's `model` config section for the checkpoint at `path`: the defaults, with every
-  field the checkpoint decides set from its config.json. A bfloat16 checkpoint gives bfloat16
-  parameters and compute, any other float32; bfloat16 compute takes cuDNN's fused attention
-  when JAX runs on GPUs."""
+  field the checkpoint decides set from its config.json. A bfloat16 checkpoint computes in
+  bfloat16 (cuDNN's fused attention when JAX runs on GPUs), any other in float32; the master
+  weights are float32 either way, so that fine-tuning's small updates are not rounded away."""
   hf = _read_hf_config(path)
   req = lambda key: _required(hf, key, path)
   heads = int(req('num_attention_heads'))
   theta, scaling = _rope(hf, path)
   stored = hf.get('torch_dtype') or hf.get('dtype') or 'float32'
-  param_dtype = 'bfloat16' if stored == 'bfloat16' else 'float32'
+  dtype = 'bfloat16' if stored == 'bfloat16' else 'float32'
   cfg = default_config().model
   cfg.update(
       vocab_size=int(req('vocab_size')),
@@ -117,31 +118,40 @@ def model_config(path: str) -> ConfigDict:
       rope_theta=theta,
       norm_eps=float(hf.get('rms_norm_eps', 1e-6)),  # transformers' default
       tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
-      param_dtype=param_dtype,
-      dtype=param_dtype,
-      attention='cudnn' if param_dtype == 'bfloat16' else 'xla')
+      max_position=int(hf.get('max_position_embeddings') or 0),
+      param_dtype='float32',
+      dtype=dtype,
+      attention='cudnn' if dtype == 'bfloat16' else 'xla')
   cfg.attention = available_attention(cfg, jax.default_backend())
   cfg.rope_scaling.update(scaling)
   return cfg
 
 
-def hf_config(model_cfg: ConfigDict, dtype: str) -> dict:
-  """config.json of a LlamaForCausalLM with jaxllm's `model_cfg`, stored in `dtype`."""
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+  """What config.json says of the tokenizer: its begin- and end-of-text ids (None: it has none)."""
+  bos_id: int | None = None
+  eos_id: int | None = None
+
+
+def hf_config(model_cfg: ConfigDict, dtype: str, vocabulary: Vocabulary) -> dict:
+  """config.json of a LlamaForCausalLM with jaxllm's `model_cfg`, stored in `dtype`.
+  `model_cfg.max_position` must be set: transformers takes 2048 for a config without it."""
   m = model_cfg
   hf = dict(architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=m.vocab_size,
             hidden_size=m.embed_dim, intermediate_size=m.mlp_dim, num_hidden_layers=m.num_layers,
             num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
             head_dim=m.head_dim, hidden_act='silu', rms_norm_eps=m.norm_eps,
             rope_theta=m.rope_theta, rope_scaling=None, tie_word_embeddings=m.tie_embeddings,
-            attention_bias=False, mlp_bias=False, torch_dtype=dtype)
+            attention_bias=False, mlp_bias=False, torch_dtype=dtype,
+            max_position_embeddings=m.max_position, bos_token_id=vocabulary.bos_id,
+            eos_token_id=vocabulary.eos_id)
   s = m.rope_scaling
   if s.factor > 0:
     hf['rope_scaling'] = dict(rope_type='llama3', factor=s.factor,
                               low_freq_factor=s.low_freq_factor,
                               high_freq_factor=s.high_freq_factor,
                               original_max_position_embeddings=s.original_max_position)
-    # The context the scaling is for; transformers warns when it is not beyond the original.
-    hf['max_position_embeddings'] = int(s.factor * s.original_max_position)
   return hf
 
 
@@ -341,13 +351,21 @@ def load_params(path: str, target_params, model_cfg: ConfigDict):
 
 
 def load(path: str, mesh, rules) -> tuple[ConfigDict, nnx.State]:
-  """(model config, parameters) of the Hugging Face Llama checkpoint at `path`.
+  """(model config, parameters) of the Hugging Face Llama checkpoint at `path`, for inference:
+  the parameters are stored in the compute dtype (as the checkpoint stores them).
 
   The parameters are an nnx.State laid out like `nnx.split(Transformer(model_cfg, ...))[1]`,
   sharded on `mesh` under the logical `rules` (cfg.sharding.rules); each device reads only its
   own blocks of the files."""
   model_cfg = model_config(path)
+  model_cfg.param_dtype = model_cfg.dtype
   return model_cfg, load_params(path, params_target(model_cfg, mesh, rules), model_cfg)
+
+
+def vocabulary(path: str) -> Vocabulary:
+  """The begin- and end-of-text ids the checkpoint's config.json gives."""
+  hf = _read_hf_config(path)
+  return Vocabulary(hf.get('bos_token_id'), hf.get('eos_token_id'))
 
 
 # ----------------------------------------------------------------------------- export
@@ -366,12 +384,12 @@ def _hf_tensors(params, model_cfg: ConfigDict):
           whole(['final_norm.scale', 'head_DV']))
 
 
-def _shard_groups(entries, max_shard_bytes: int) -> list[list]:
-  """Consecutive tensors grouped into files of at most `max_shard_bytes` (a larger tensor
-  gets a file of its own)."""
+def _shard_groups(entries, itemsize: int, max_shard_bytes: int) -> list[list]:
+  """Consecutive tensors of `itemsize` bytes an element grouped into files of at most
+  `max_shard_bytes` (a larger tensor gets a file of its own)."""
   groups, size = [[]], 0
   for entry in entries:
-    nbytes = math.prod(entry[3].hf_shape) * entry[1].dtype.itemsize
+    nbytes = math.prod(entry[3].hf_shape) * itemsize
     if groups[-1] and size + nbytes > max_shard_bytes:
       groups.append([])
       size = 0
@@ -380,23 +398,24 @@ def _shard_groups(entries, max_shard_bytes: int) -> list[list]:
   return groups
 
 
-def export(params, model_cfg: ConfigDict, out_dir: str, max_shard_bytes: int = 5 * 10**9) -> None:
+def export(params, model_cfg: ConfigDict, out_dir: str, dtype: str, vocabulary: Vocabulary,
+           max_shard_bytes: int = 5 * 10**9) -> None:
   """Writes `params` (layer order, as checkpoints and `load` hold them) as a Hugging Face
-  LlamaForCausalLM: config.json and model.safetensors, or numbered files with an index when
-  they are larger than `max_shard_bytes`. Tensors keep the parameters' dtype."""
+  LlamaForCausalLM in `dtype`: config.json and model.safetensors, or numbered files with an
+  index when they are larger than `max_shard_bytes`."""
   if glob.glob(os.path.join(out_dir, '*.safetensors')):
     raise ConfigError(f'{out_dir} already holds *.safetensors files; export into an empty or '
                       'new directory.')
   os.makedirs(out_dir, exist_ok=True)
   entries = _hf_tensors(params, model_cfg)
-  groups = _shard_groups(entries, max_shard_bytes)
+  groups = _shard_groups(entries, np.dtype(dtype).itemsize, max_shard_bytes)
   names = (['model.safetensors'] if len(groups) == 1 else
            [f'model-{i + 1:05d}-of-{len(groups):05d}.safetensors' for i in range(len(groups))])
   weight_map, total = {}, 0
   for file, group in zip(names, groups):
     tensors = {}
     for hf_name, x, layer, layout in group:
-      ours = np.asarray(jax.device_get(x if layer is None else x[layer]))
+      ours = np.asarray(jax.device_get(x if layer is None else x[layer]).astype(dtype))
       tensors[hf_name] = np.ascontiguousarray(layout.to_hf(ours))
       weight_map[hf_name] = file
       total += tensors[hf_name].nbytes
@@ -404,22 +423,36 @@ def export(params, model_cfg: ConfigDict, out_dir: str, max_shard_bytes: int = 5
   if len(groups) > 1:
     with open(os.path.join(out_dir, INDEX_FILE), 'w') as f:
       json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
-  dtype = str(jax.tree.leaves(params)[0].dtype)
   with open(os.path.join(out_dir, CONFIG_FILE), 'w') as f:
-    json.dump(hf_config(model_cfg, dtype), f, indent=2)
+    json.dump(hf_config(model_cfg, dtype, vocabulary), f, indent=2)
     f.write('\n')
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 * 10**9) -> None:
+def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
+                      max_shard_bytes: int = 5 * 10**9) -> None:
   """Exports the parameters of a jaxllm checkpoint (a checkpoint directory's newest step, or
-  one step directory), restored into host memory."""
+  one step directory), restored into host memory, in `dtype` (default: the run's compute
+  dtype, model.dtype: bfloat16 for a run that started from a bfloat16 checkpoint)."""
   cfg = saved_config(checkpoint, '--checkpoint')
   model_cfg = cfg.model
   host = jax.local_devices(backend='cpu')[:1]
   mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), host)
   target = params_target(model_cfg, mesh, cfg.sharding.rules)
   params = restore_params(checkpoint, target, model_cfg, '--checkpoint')
-  export(params, model_cfg, out_dir, max_shard_bytes)
+  model_cfg.max_position = context_length(cfg)
+  export(params, model_cfg, out_dir, dtype or model_cfg.dtype, _run_vocabulary(cfg),
+         max_shard_bytes)
+
+
+def _run_vocabulary(cfg: ConfigDict) -> Vocabulary:
+  """The special ids of the run's tokenizer (data.tokenizer); none, with a note, when it can
+  no longer be read."""
+  try:
+    tokenizer = load_tokenizer(cfg.data)
+  except ConfigError as e:
+    print(f'note: config.json gets no bos_token_id or eos_token_id: {e}', file=sys.stderr)
+    return Vocabulary()
+  return Vocabulary(tokenizer.bos_id, tokenizer.eos_id)
 
 
 def main(argv: list[str]) -> None:
@@ -430,11 +463,13 @@ def main(argv: list[str]) -> None:
   export_cmd.add_argument('--checkpoint', required=True,
                           help='RUN_DIR/checkpoints (its newest step) or one step directory')
   export_cmd.add_argument('--out', required=True, help='the directory to write')
+  export_cmd.add_argument('--dtype', choices=DTYPES, default=None,
+                          help="the tensors' dtype (default: the run's model.dtype)")
   export_cmd.add_argument('--max-shard-gb', type=float, default=5.0,
                           help='split the weights into files of at most this size (GB)')
   args = parser.parse_args(argv[1:])
   start_backends()
-  export_checkpoint(args.checkpoint, args.out, int(args.max_shard_gb * 10**9))
+  export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 10**9))
   print(f'exported {args.checkpoint} to {args.out}')
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from ml_collections import ConfigDict
 
@@ -20,9 +21,24 @@ def decay_mask(params):
       lambda path, _: 'scale' not in jax.tree_util.keystr(path), params)
 
 
+def moments_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+  """`tx` with its Adam moments stored in `dtype` between steps, whatever the parameters'
+  dtype; each update computes in the gradients' (fp32) precision before the cast."""
+  is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)
+  cast = lambda state: jax.tree.map(
+      lambda s: s._replace(mu=optax.tree.cast(s.mu, dtype), nu=optax.tree.cast(s.nu, dtype))
+      if is_adam(s) else s, state, is_leaf=is_adam)
+
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, state, params)
+    return updates, cast(state)
+
+  return optax.GradientTransformation(lambda params: cast(tx.init(params)), update)
+
+
 def make_optimizer(cfg: ConfigDict, train_steps: int) -> optax.GradientTransformation:
   adamw = optax.adamw(lr_schedule(cfg, train_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                       weight_decay=cfg.weight_decay, mask=decay_mask)
   if cfg.clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
-  return adamw
+    adamw = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+  return moments_in(adamw, jnp.dtype(cfg.state_dtype))

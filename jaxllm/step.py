@@ -19,8 +19,8 @@ from jaxllm.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_s
 
 class TrainState(NamedTuple):
   step: jax.Array        # optimizer steps taken
-  params: nnx.State      # fp32 master weights, sharded by the rules
-  opt_state: Any         # optax state; moments carry the params' shardings
+  params: nnx.State      # master weights (model.param_dtype), sharded by the rules
+  opt_state: Any         # optax state; moments (optim.state_dtype) carry the params' shardings
 
 
 def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: int,
@@ -113,7 +113,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
       grads = pin(jax.tree.map(jnp.add, grads, mb_grads))
       return (grads, loss_sum + mb_loss, tokens + mb_tokens), None
 
-    zeros = pin(jax.tree.map(jnp.zeros_like, params))
+    # fp32 whatever the parameters' dtype: bf16 sums of many micro-batches lose the small ones
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     micro = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
     carry, _ = jax.lax.scan(add_micro_batch, (zeros, jnp.float32(0), jnp.float32(0)), micro)
     return carry

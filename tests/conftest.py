@@ -99,3 +99,10 @@ def run_cli(*args, module='jaxllm.train', timeout=300):
 def tiny_config():
   from jaxllm.config import load_config
   return load_config(os.path.join(REPO, 'configs', 'tiny.py'))
+
+
+def assert_same_paths(got_tree, want_tree):
+  """The two trees hold leaves at the same paths (a dropped or extra parameter fails)."""
+  paths = lambda tree: [jax.tree_util.keystr(p) for p, _ in
+                        jax.tree_util.tree_flatten_with_path(tree)[0]]
+  assert paths(got_tree) == paths(want_tree)

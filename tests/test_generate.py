@@ -1,5 +1,7 @@
 """Generation: the KV cache against the plain forward pass, sampling, EOS, the command line."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,15 +208,17 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
                     str(tmp_path / 'prompt.txt'), *args, module='jaxllm.generate')
   assert by_file.stdout.strip().splitlines()[-1] == lines[-1], by_file.stderr[-2000:]
   # Exported as a Hugging Face Llama it generates the same, printing ids only (there is no
-  # tokenizer.json) and, knowing no EOS, going on past it to the full count.
+  # tokenizer.json): its config.json carries the context (data.seq_len) and the byte
+  # tokenizer's special ids, so neither --context nor an EOS needs giving.
   from jaxllm import hf
   hf.export_checkpoint(str(tiny_checkpoints), str(tmp_path / 'hf'))
-  by_hf = run_cli('--hf', str(tmp_path / 'hf'), '--context', '128', *same,
-                  module='jaxllm.generate')
+  config = json.loads((tmp_path / 'hf' / 'config.json').read_text())
+  assert (config['max_position_embeddings'], config['bos_token_id'], config['eos_token_id'],
+          config['torch_dtype']) == (128, 256, 257, 'float32')
+  by_hf = run_cli('--hf', str(tmp_path / 'hf'), *same, module='jaxllm.generate')
   hf_lines = by_hf.stdout.strip().splitlines()
   assert len(hf_lines) == 1, by_hf.stderr[-2000:]
-  hf_ids = [int(i) for i in hf_lines[0].split(',')]
-  assert len(hf_ids) == 8 and hf_ids[:len(ids)] == ids
+  assert hf_lines[0] == lines[-1]
   # Here rather than in a test of its own, so that under xdist one worker trains the checkpoint.
   check_bad_prompts_are_config_errors(tiny_checkpoints)
   too_long = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt', 'def ',

@@ -10,10 +10,11 @@ import pytest
 import torch
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from ml_collections import ConfigDict
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import small_config
+from conftest import assert_same_paths, small_config
 from jaxllm import hf
 from jaxllm.config import ConfigError, default_config
 from jaxllm.data.loader import synthetic_batch
@@ -104,11 +105,16 @@ def test_export_reproduces_the_hf_checkpoint_and_round_trips(dtype, tmp_path):
   save_hf_model(original, tied=True, rope_theta=500_000.0, rope_scaling=LLAMA3_ROPE, dtype=dtype)
   mesh = mesh_of(fsdp=4, tensor=2)
   model_cfg, params = hf.load(str(original), mesh, RULES)
-  hf.export(params, model_cfg, str(exported), max_shard_bytes=40_000)
+  dtype_name = str(dtype).removeprefix('torch.')
+  hf.export(params, model_cfg, str(exported), dtype_name, hf.vocabulary(str(original)),
+            max_shard_bytes=40_000)
 
   assert os.path.exists(exported / 'model.safetensors.index.json')
   config = json.loads((exported / 'config.json').read_text())
-  assert config['torch_dtype'] == str(dtype).removeprefix('torch.')
+  original_config = json.loads((original / 'config.json').read_text())
+  assert config['torch_dtype'] == dtype_name
+  for key in ('max_position_embeddings', 'bos_token_id', 'eos_token_id'):
+    assert config[key] == original_config[key], key
   assert config['rope_scaling']['rope_type'] == 'llama3' and config['tie_word_embeddings']
   got, want = hf_tensors(exported), hf_tensors(original)
   assert got.keys() == want.keys()
@@ -127,7 +133,7 @@ def test_export_reproduces_the_hf_checkpoint_and_round_trips(dtype, tmp_path):
   np.testing.assert_array_equal(reread(exported), reread(original))
 
   with pytest.raises(ConfigError, match='already holds .*safetensors'):
-    hf.export(params, model_cfg, str(exported))
+    hf.export(params, model_cfg, str(exported), dtype_name, hf.Vocabulary())
 
 
 def test_init_from_hf_trains_from_its_weights_and_exports_the_result(tmp_path):
@@ -154,6 +160,95 @@ def test_init_from_hf_trains_from_its_weights_and_exports_the_result(tmp_path):
   _, exported = hf.load(str(out_dir), mesh_of(), RULES)
   for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _changed_fraction(params, initial) -> float:
+  """The fraction of parameter elements that differ from their initial values."""
+  assert_same_paths(params, initial)
+  changed = sum(int(np.sum(np.asarray(a, np.float32) != np.asarray(b, np.float32)))
+                for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(initial)))
+  return changed / sum(np.size(a) for a in jax.tree.leaves(initial))
+
+
+def _update(params, initial) -> np.ndarray:
+  """All parameters' change in training, as one fp32 vector."""
+  assert_same_paths(params, initial)
+  return np.concatenate([(np.asarray(a, np.float32) - np.asarray(b, np.float32)).ravel()
+                         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(initial))])
+
+
+def _fine_tune(hf_dir, run_dir, devices, optim=None, **model):
+  """20 steps at lr 1e-5 from the checkpoint: (config, first params, last state, losses)."""
+  cfg = small_config(**{'data': 2, 'fsdp': 2, 'tensor': 2} if len(devices) == 8 else {})
+  cfg.model = hf.model_config(str(hf_dir))
+  cfg.model.update(**model)
+  cfg.init_from = f'hf:{hf_dir}'
+  cfg.train.update(steps=20, global_batch=8)
+  cfg.optim.update(lr=1e-5, warmup_steps=0, **(optim or {}))
+  cfg.data.seq_len = 16
+  initial = jax.tree.map(np.asarray, setup(cfg, devices).state.params)
+  state, history = train(cfg, str(run_dir), devices=devices)
+  return cfg, initial, state, [row['loss'] for row in history]
+
+
+def _fp32_loss(cfg, params) -> float:
+  """The mean cross-entropy of `params` on the run's (synthetic, fixed) batch, in fp32."""
+  model_cfg = ConfigDict(cfg.model)
+  model_cfg.update(dtype='float32', param_dtype='float32', attention='xla')
+  batch = synthetic_batch(cfg, cfg.train.global_batch)
+  host = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+  logits = torch.tensor(our_logits(model_cfg, host, mesh_of(), batch['inputs']))
+  return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.tensor(batch['targets']).reshape(-1).long()))
+
+
+@pytest.mark.parametrize('devices', [1, 8], ids=['one_device', 'data2_fsdp2_tensor2'])
+def test_a_bf16_checkpoint_fine_tunes_with_fp32_master_weights(devices, tmp_path):
+  """A bfloat16 checkpoint (as Llamas are released) computes in bf16 with fp32 master weights,
+  moments and accumulation. At lr 1e-5 each update is below bf16's spacing (2⁻⁸ relative), so
+  bf16 master weights would hardly move (the control), where fp32 ones move as an fp32 run's."""
+  save_hf_model(tmp_path / 'hf', dtype=torch.bfloat16)
+  model_cfg = hf.model_config(str(tmp_path / 'hf'))
+  assert (model_cfg.dtype, model_cfg.param_dtype) == ('bfloat16', 'float32')
+  devices = jax.devices()[:devices]
+  cfg, initial, state, losses = _fine_tune(tmp_path / 'hf', tmp_path / 'run', devices)
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype('float32')}
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+  assert moments and {x.dtype for x in moments} == {np.dtype('float32')}
+  assert _changed_fraction(state.params, initial) > 0.95
+
+  # The reference: fp32 compute and master weights from the same weights, on one device.
+  _, _, want, want_losses = _fine_tune(tmp_path / 'hf', tmp_path / 'fp32', devices[:1],
+                                       dtype='float32', attention='xla')
+  got_update, want_update = _update(state.params, initial), _update(want.params, initial)
+  cosine = got_update @ want_update / np.linalg.norm(got_update) / np.linalg.norm(want_update)
+  assert cosine > 0.95
+  assert np.linalg.norm(got_update) == pytest.approx(np.linalg.norm(want_update), rel=0.05)
+  # The first step's loss is bf16's forward of the checkpoint's weights; the trained master
+  # weights have an fp32 loss as low as the reference's (which fell by 0.075 in 20 steps).
+  assert losses[0] == pytest.approx(want_losses[0], rel=1e-2)
+  assert _fp32_loss(cfg, state.params) == pytest.approx(want_losses[-1], abs=5e-3)
+
+  if len(devices) > 1:
+    return
+  # Exported, by default in the run's compute dtype (bf16, as it came); or in fp32 on request.
+  for dtype, flag in ((torch.bfloat16, []), (torch.float32, ['--dtype', 'float32'])):
+    out = tmp_path / f'out-{dtype}'
+    hf.main(['jaxllm.hf', 'export', '--checkpoint', str(tmp_path / 'run' / 'checkpoints'),
+             '--out', str(out), *flag])
+    assert json.loads((out / 'config.json').read_text())['torch_dtype'] == str(dtype)[6:]
+    exported = LlamaForCausalLM.from_pretrained(out, dtype=dtype)
+    weight = exported.model.layers[0].mlp.down_proj.weight.detach()
+    master = np.asarray(state.params['blocks']['mlp']['w_down_FD'][...][0]).T
+    assert weight.dtype == dtype
+    np.testing.assert_array_equal(weight.float().numpy(),
+                                  torch.tensor(master).to(dtype).float().numpy())
+
+  # The control: the same run in bf16 master weights and moments.
+    _, _, bf16_state, _ = _fine_tune(tmp_path / 'hf', tmp_path / 'bf16', devices,
+                                     dict(state_dtype='bfloat16'), param_dtype='bfloat16')
+    assert {x.dtype for x in jax.tree.leaves(bf16_state.params)} == {np.dtype('bfloat16')}
+    assert _changed_fraction(bf16_state.params, initial) < 0.1
 
 
 def test_init_from_hf_of_another_shape_names_the_field(tmp_path):
