@@ -45,6 +45,36 @@ def test_micro_batches_equal_one_large_batch(corpus):
   assert_params_close(acc_params, one_params)
 
 
+def _scans(jaxpr):
+  """Every scan in a jaxpr, however deeply nested (jit, shard_map, remat, custom_vjp)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'scan':
+      yield eqn
+    for value in eqn.params.values():
+      inner = getattr(value, 'jaxpr', value)
+      if hasattr(inner, 'eqns'):
+        yield from _scans(inner)
+
+
+def test_gradients_accumulate_in_fp32_under_bf16_parameters():
+  """bf16 weights (chosen knowingly) still sum their micro-batches' gradients in fp32: a bf16
+  sum of many micro-batches would lose the small ones. Read from the step's own program."""
+  cfg = small_config(data=2, fsdp=2)
+  cfg.model.update(dtype='bfloat16', param_dtype='bfloat16', num_layers=2)
+  cfg.train.update(micro_batches=4, global_batch=16)
+  run = setup(cfg, jax.devices()[:4])
+  with sharding_context(run.mesh, cfg.sharding.rules):
+    program = jax.make_jaxpr(run.train_step)(run.state, next(run.batches))
+  num_params = len(jax.tree.leaves(run.state.params))
+  accumulation = [e for e in _scans(program.jaxpr)
+                  if e.params['length'] == 4 and e.params['num_carry'] == num_params + 2]
+  assert len(accumulation) == 1
+  scan = accumulation[0]
+  carry = scan.invars[scan.params['num_consts']:][:scan.params['num_carry']]
+  assert {v.aval.dtype for v in carry} == {np.dtype('float32')}
+  assert {x.dtype for x in jax.tree.leaves(run.state.params)} == {np.dtype('bfloat16')}
+
+
 def test_text_batches_follow_the_seed(corpus):
   """Same seed: same batches on any mesh; another seed: another order."""
   def first_inputs(seed, **mesh):
