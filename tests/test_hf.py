@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import small_config
+from conftest import paired_leaves, small_config
 from jaxllm import hf
 from jaxllm.config import ConfigError, default_config
 from jaxllm.data.loader import synthetic_batch
@@ -117,7 +117,7 @@ def test_export_reproduces_the_hf_checkpoint_and_round_trips(dtype, tmp_path):
 
   again_cfg, again = hf.load(str(exported), mesh, RULES)
   assert again_cfg.to_dict() == model_cfg.to_dict()
-  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
+  for a, b in paired_leaves(again, params):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # transformers reads our config.json (old-style rope_scaling, torch_dtype) as meaning what
@@ -152,7 +152,7 @@ def test_init_from_hf_trains_from_its_weights_and_exports_the_result(tmp_path):
   hf.main(['jaxllm.hf', 'export', '--checkpoint', str(run_dir / 'checkpoints'),
            '--out', str(out_dir)])
   _, exported = hf.load(str(out_dir), mesh_of(), RULES)
-  for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(state.params)):
+  for a, b in paired_leaves(exported, state.params):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
