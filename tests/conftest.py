@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,13 +53,40 @@ def text_config(corpus, **mesh):
   return cfg
 
 
+def leaf_paths(tree) -> list[str]:
+  """The path of every leaf of `tree`, as `jax.tree_util.keystr` spells it, in leaf order."""
+  return [jax.tree_util.keystr(path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def assert_same_paths(got_tree, want_tree):
+  """Both trees hold leaves at the same paths, in the same order: a dropped, extra or renamed
+  parameter fails here, where a zip of their leaves would stop at the shorter one or pair
+  tensors by position."""
+  got, want = leaf_paths(got_tree), leaf_paths(want_tree)
+  assert got == want, (f'missing {sorted(set(want) - set(got))}, '
+                       f'extra {sorted(set(got) - set(want))}, or in another order')
+
+
+def paired_leaves(got_tree, want_tree) -> list[tuple]:
+  """The leaves of two trees side by side, once `assert_same_paths` has passed and each pair
+  has the same shape (numpy would broadcast a [1, D] against a [L, D])."""
+  assert_same_paths(got_tree, want_tree)
+  pairs = list(zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree), strict=True))
+  for (path, _), (got, want) in zip(jax.tree_util.tree_flatten_with_path(want_tree)[0], pairs):
+    assert np.shape(got) == np.shape(want), (jax.tree_util.keystr(path), np.shape(got),
+                                             np.shape(want))
+  return pairs
+
+
 def assert_params_close(got_tree, want_tree):
-  """Each parameter tensor within 1e-5 relative (in norm) of the reference.
+  """Same paths and shapes, and each parameter tensor within 1e-5 relative (in norm) of the
+  reference.
 
   Norm-wise because Adam divides each element's step by its own gradient scale, so an
   element whose gradient is ~0 turns reduction-order noise into a change of up to ~lr.
   """
-  for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
+  for got, want in paired_leaves(got_tree, want_tree):
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
@@ -71,10 +99,47 @@ def data_reductions(compiled) -> list[hlo.Collective]:
 
 @pytest.fixture(scope='session')
 def one_device_run(corpus):
-  """The reference for every mesh: `text_config` trained 3 steps on a single device."""
+  """The reference for every mesh: `text_config` trained 3 steps on a single device; its
+  params, losses and gradient norms.
+
+  Compare the gradient norms too: AdamW's update g/√v is the same for g and c·g, and
+  clipping scales all of g alike, so a mesh whose gradients come out doubled (a reduction
+  counted twice) or halved trains exactly like one device; only the norm shows it."""
   from jaxllm.train import train
   state, history = train(text_config(corpus), devices=jax.devices()[:1])
-  return jax.device_get(state.params), [row['loss'] for row in history]
+  return (jax.device_get(state.params), [row['loss'] for row in history],
+          [row['grad_norm'] for row in history])
+
+
+def step_gradients(cfg, devices=None):
+  """The loss and the parameter gradients (summed over the batch, divided by its tokens) of
+  the first step of `cfg` from its initial params, as its train step computes them on its
+  mesh: `jaxllm.step.make_train_step` with an "optimizer" that stores the gradients it is
+  given as its state. Blocks in layer order, on the host."""
+  import optax
+  from jaxllm.pipeline import from_stage_order
+  from jaxllm.step import TrainState, make_train_step
+  from jaxllm.train import setup
+
+  keep = optax.GradientTransformation(
+      lambda params: jax.tree.map(jnp.zeros_like, params),
+      lambda grads, _, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+  run = setup(cfg, devices)
+  step = make_train_step(run.graphdef, keep, lambda _: 0.0, cfg.train.micro_batches,
+                         run.pipeline)
+  with sharding_context(run.mesh, cfg.sharding.rules):
+    state = TrainState(run.state.step, run.state.params, keep.init(run.state.params))
+    new_state, metrics = jax.jit(step)(state, next(run.batches))
+  grads = jax.device_get(new_state.opt_state)
+  if run.pipeline:
+    grads = from_stage_order(grads, run.pipeline.stages, run.pipeline.repeats)
+  return float(metrics['loss']), grads
+
+
+@pytest.fixture(scope='session')
+def one_device_gradients(corpus):
+  """`step_gradients` of `text_config` on one device: the reference for meshes in fp32."""
+  return step_gradients(text_config(corpus), jax.devices()[:1])
 
 
 @pytest.fixture(scope='session')
@@ -100,9 +165,3 @@ def tiny_config():
   from jaxllm.config import load_config
   return load_config(os.path.join(REPO, 'configs', 'tiny.py'))
 
-
-def assert_same_paths(got_tree, want_tree):
-  """The two trees hold leaves at the same paths (a dropped or extra parameter fails)."""
-  paths = lambda tree: [jax.tree_util.keystr(p) for p, _ in
-                        jax.tree_util.tree_flatten_with_path(tree)[0]]
-  assert paths(got_tree) == paths(want_tree)

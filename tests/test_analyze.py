@@ -3,6 +3,7 @@
 big-config path, the ranking, and bad input. More of the GPU's program: test_gpu_program."""
 
 import math
+import re
 
 import jax
 import pytest
@@ -71,20 +72,30 @@ def test_data_parallel_traffic_is_the_gradient_all_reduce():
   assert sum(c.bytes for c in found) == pytest.approx(2 * 7 / 8 * 4 * params, rel=1e-3)
 
 
-@pytest.mark.parametrize('mesh', [dict(data=2, fsdp=2, tensor=2), dict(data=2, pipe=2, tensor=2)],
-                         ids=['data2_fsdp2_tensor2', 'data2_pipe2_tensor2'])
-def test_gradients_cross_the_data_axis_once_per_step(mesh):
-  """The CPU compiler's program (the GPU's: test_gpu_program): summed over 2 micro-batches,
-  the gradients cross data in no more reductions than one batch's, each run once per step,
-  moving as many bytes; through the pipeline too."""
-  programs = []
-  for micro_batches in (1, 2):
+@pytest.mark.parametrize('mesh, micro_batches', [
+    (dict(data=2, fsdp=2, tensor=2), (2, 4)),
+    (dict(data=2, pipe=2, tensor=2), (2,)),
+], ids=['data2_fsdp2_tensor2', 'data2_pipe2_tensor2'])
+def test_gradients_cross_the_data_axis_once_per_step(mesh, micro_batches):
+  """The CPU compiler's program (the GPU's: test_gpu_program): summed over 2 or 4
+  micro-batches, the gradients cross data once per step (count 1: in no loop over the
+  micro-batches), moving the bytes of one batch's. Without the pipeline, that is the very same
+  reduction as one batch's; through it, XLA merges one batch's two into one."""
+  def reductions(micro):
     cfg = comm_config(**mesh)
-    cfg.train.micro_batches = micro_batches
-    programs.append(data_reductions(compile_step(cfg)))
-  one, two = programs
-  assert {c.count for c in one + two} == {1} and len(two) <= len(one)
-  assert sum(c.bytes for c in two) == pytest.approx(sum(c.bytes for c in one), rel=1e-6)
+    cfg.train.micro_batches = micro
+    return data_reductions(compile_step(cfg))
+  one = reductions(1)
+  assert one and {c.count for c in one} == {1}
+  for micro in micro_batches:
+    accumulated = reductions(micro)
+    assert {c.count for c in accumulated} == {1}, (micro, accumulated)
+    assert sum(c.bytes for c in accumulated) == pytest.approx(sum(c.bytes for c in one),
+                                                              rel=1e-6)
+    if 'pipe' in mesh:
+      assert len(accumulated) <= len(one)
+    else:
+      assert accumulated == one, micro
 
 
 def test_fsdp_holds_an_eighth_of_params_and_optimizer_state():
@@ -211,6 +222,8 @@ def test_analyze_prints_a_verdict_for_llama3_8b_on_64_devices():
                    '--config.train.global_batch=16', module='jaxllm.analyze', timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'XLA\'s program for 64 × NVIDIA H100 80GB HBM3' in result.stdout
+  verdicts = re.findall(r'^  peak .*?(fits|does NOT fit) the ', result.stdout, re.M)
+  assert verdicts == ['fits'], result.stdout
   assert 'fits the 59.74 GiB a process may use of h100-nvlink' in result.stdout
   assert 'data=2 fsdp=8 pipe=1 tensor=4  (64 devices)' in result.stdout
   assert '8,030.26M total' in result.stdout
@@ -226,16 +239,22 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
     assert measure(row['config'], steps=1) > 0
 
 
+def test_analyze_says_a_step_does_not_fit_a_small_device():
+  """A verdict, not an error: 1 MB holds no step of tiny.py. (The verdict that fits:
+  test_analyze_prints_a_verdict_for_llama3_8b_on_64_devices.)"""
+  result = run_cli('--config', 'configs/tiny.py', '--device-memory', '0.001',
+                   module='jaxllm.analyze')
+  assert result.returncode == 0, result.stderr[-2000:]
+  verdicts = re.findall(r'^  peak .*?(fits|does NOT fit) the ', result.stdout, re.M)
+  assert verdicts == ['does NOT fit'], result.stdout
+
+
 @pytest.mark.parametrize('args, field', [
     (['--devices', '3'], 'mesh'),
     (['--hardware', 'h1000'], '--hardware'),
-    (['--device-memory', '0.001'], 'does NOT fit'),
 ])
 def test_analyze_bad_input_gets_one_line(args, field):
   result = run_cli('--config', 'configs/tiny.py', *args, module='jaxllm.analyze')
-  if field == 'does NOT fit':  # a verdict, not an error
-    assert result.returncode == 0 and field in result.stdout
-    return
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and field in lines[0], result.stderr

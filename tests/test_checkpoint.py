@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, small_config, text_config
+from conftest import REPO, paired_leaves, small_config, text_config
 from jaxllm.config import ConfigError, TrainingError
 from jaxllm.pipeline import from_stage_order
 from jaxllm.train import setup, train
@@ -138,7 +138,7 @@ def test_restore_onto_another_mesh(mesh, saved_under_fsdp8, corpus, tmp_path):
                                                               devices)
   if 'pipe' in mesh:  # the run holds circular blocks stage-major: compare in layer order
     restored = from_stage_order(restored, 2, 2)
-  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved_params)):
+  for got, want in paired_leaves(restored, saved_params):
     np.testing.assert_array_equal(got, want)
   assert meshes == {run_mesh}  # read straight onto the new mesh
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -148,7 +148,7 @@ def test_restore_onto_another_mesh(mesh, saved_under_fsdp8, corpus, tmp_path):
     run = setup(text_config(corpus), jax.devices()[:1], str(tmp_path / 'new'))
     assert int(run.state.step) == 4
     want = jax.device_get(from_stage_order(state.params, 2, 2))
-    for got, want in zip(jax.tree.leaves(jax.device_get(run.state.params)), jax.tree.leaves(want)):
+    for got, want in paired_leaves(jax.device_get(run.state.params), want):
       np.testing.assert_array_equal(got, want)
 
 
@@ -189,7 +189,7 @@ def test_nonfinite_updates_can_be_skipped(tmp_path):
   cfg.train.update(steps=4, skip_nonfinite=True)
   state, history = train(cfg, None, jax.devices()[:1])
   assert [row['skipped'] for row in history] == [0, 1, 1, 1]
-  for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(after_one.params)):
+  for got, want in paired_leaves(state.params, after_one.params):
     np.testing.assert_array_equal(got, want)
 
 
@@ -199,7 +199,7 @@ def test_init_from_takes_params_only(saved_under_fsdp8, corpus, tmp_path):
   cfg.init_from = os.path.join(saved_dir, 'checkpoints')
   run = setup(cfg, None, str(tmp_path))
   assert int(run.state.step) == 0
-  for got, want in zip(jax.tree.leaves(run.state.params), jax.tree.leaves(saved_params)):
+  for got, want in paired_leaves(run.state.params, saved_params):
     np.testing.assert_array_equal(got, want)
   assert all(not np.any(m) for m in jax.tree.leaves(run.state.opt_state[1][0].mu))
 

@@ -1,4 +1,30 @@
-"""benchmarks/gpu.py and its plain-JAX baseline (benchmarks/plain_llama.py), on the CPU."""
+"""benchmarks/gpu.py and its plain-JAX baseline (benchmarks/plain_llama.py), on the CPU.
+
+What the comparison with plain_llama can catch, and what it cannot. plain_llama is jaxllm's
+decoder written out as pure functions on one device, but it is not independent of jaxllm:
+it makes the same `jax.nn.dot_product_attention` call (same mask, same implementation), the
+same casts (compute in model.dtype, fp32 logits and norms), the same rotary half-split
+convention and remat names, and takes jaxllm's optimizer (`jaxllm.optim.make_optimizer`) and
+weights (`params_from_jaxllm`). So `test_plain_step_equals_jaxllm_step` catches jaxllm's
+machinery going wrong where plain_llama does without it: the Flax modules and their
+parameter layout, the logical sharding constraints, the hand-written gradients of the
+projections, the chunked loss and the embedding lookup, the tied head, the token-mean of the
+loss; and it keeps the benchmark's throughput ratio a comparison of like with like. It cannot
+catch an error the two share: a wrong attention call, mask or rotary convention, a cast to
+the wrong dtype, a wrong AdamW or clipping setup, or any Llama semantics both got wrong in
+the same way; nor anything about meshes and collectives (it runs on one device).
+
+The independent references for the model are elsewhere: tests/test_model.py checks attention
+and RoPE against numpy written head by head (`test_attention_matches_numpy_reference`,
+`test_sharded_attention_matches_numpy_reference`, `test_llama3_rope_scaling_matches_formula`),
+the scanned stack against a per-layer loop, the chunked loss against log-softmax over whole
+logits, the projections' hand-made gradients against autodiff and the sharded lookup against
+numpy; tests/test_hf.py checks whole-model logits against transformers' LlamaForCausalLM
+(`test_imported_logits_match_transformers`) and step 1's loss against its cross-entropy
+(`test_init_from_hf_trains_from_its_weights_and_exports_the_result`). Meshes and the pipeline
+are checked against one device in tests/test_parallel.py and tests/test_pipeline.py. The
+optimizer (optax's AdamW, the decay mask, the schedule) has no independent reference.
+"""
 
 import importlib.util
 import math
@@ -46,7 +72,11 @@ def run_gpu_bench(*args):
 
 @pytest.mark.parametrize('tied', [False, True])
 def test_plain_step_equals_jaxllm_step(tied):
-  """From the same weights and batch, one plain step gives jaxllm's loss and parameters."""
+  """From the same weights and batch, one plain step gives jaxllm's loss, gradient norm and
+  parameters. Catches a difference between jaxllm's model/step and the plain functions
+  (module layout, hand-written gradients, chunked loss, lookup, tied head, loss mean); not
+  an error in what both share: the attention call, casts, RoPE convention, the optimizer
+  (see the module docstring for the independent references)."""
   cfg = small_config()
   cfg.model.tie_embeddings = tied
   # Adam's first step is g/(|g| + eps): an element with |g| near eps turns rounding noise
@@ -70,13 +100,18 @@ def test_plain_step_equals_jaxllm_step(tied):
 
 
 def test_plain_rope_and_remat_policies_match_jaxllm():
-  """Llama-3 frequency scaling (off in the small config) and the remat names agree."""
+  """Llama-3 frequency scaling (off in the small config) and the remat names agree. Only the
+  names: plain_llama's 'dots' is `dots_with_no_batch_dims_saveable`, jaxllm's keeps the
+  values named 'projection', so the policies themselves are not compared. The frequencies'
+  independent check is test_model's `test_llama3_rope_scaling_matches_formula`."""
   m = load_config(os.path.join(REPO, 'configs', 'llama3_1b.py')).model
   np.testing.assert_allclose(plain_llama.rope_inv_freq(m), rope_frequencies(m), rtol=1e-6)
   assert set(plain_llama.REMAT) == set(REMAT)
 
 
 def test_gpu_bench_with_plain_on_cpu():
+  """The script times both steps and says their losses agree: the command works end to end;
+  as a check of the model it has test_plain_step_equals_jaxllm_step's limits."""
   out = run_gpu_bench('--steps', '2', '--warmup', '1', '--plain')
   assert out.returncode == 0, out.stderr
   text = out.stdout

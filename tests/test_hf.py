@@ -14,7 +14,7 @@ from ml_collections import ConfigDict
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import assert_same_paths, small_config
+from conftest import paired_leaves, small_config
 from jaxllm import hf
 from jaxllm.config import ConfigError, default_config
 from jaxllm.data.loader import synthetic_batch
@@ -123,7 +123,7 @@ def test_export_reproduces_the_hf_checkpoint_and_round_trips(dtype, tmp_path):
 
   again_cfg, again = hf.load(str(exported), mesh, RULES)
   assert again_cfg.to_dict() == model_cfg.to_dict()
-  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
+  for a, b in paired_leaves(again, params):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # transformers reads our config.json (old-style rope_scaling, torch_dtype) as meaning what
@@ -158,23 +158,21 @@ def test_init_from_hf_trains_from_its_weights_and_exports_the_result(tmp_path):
   hf.main(['jaxllm.hf', 'export', '--checkpoint', str(run_dir / 'checkpoints'),
            '--out', str(out_dir)])
   _, exported = hf.load(str(out_dir), mesh_of(), RULES)
-  for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(state.params)):
+  for a, b in paired_leaves(exported, state.params):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _changed_fraction(params, initial) -> float:
   """The fraction of parameter elements that differ from their initial values."""
-  assert_same_paths(params, initial)
   changed = sum(int(np.sum(np.asarray(a, np.float32) != np.asarray(b, np.float32)))
-                for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(initial)))
+                for a, b in paired_leaves(params, initial))
   return changed / sum(np.size(a) for a in jax.tree.leaves(initial))
 
 
 def _update(params, initial) -> np.ndarray:
   """All parameters' change in training, as one fp32 vector."""
-  assert_same_paths(params, initial)
   return np.concatenate([(np.asarray(a, np.float32) - np.asarray(b, np.float32)).ravel()
-                         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(initial))])
+                         for a, b in paired_leaves(params, initial)])
 
 
 def _fine_tune(hf_dir, run_dir, devices, optim=None, **model):

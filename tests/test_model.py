@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import small_config
+from conftest import assert_params_close, paired_leaves, small_config
 from jaxllm.config import resolve_mesh
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.metrics import param_counts
@@ -57,7 +57,8 @@ def test_attention_matches_numpy_reference(kv_heads, one_device):
   attn = Attention(cfg, nnx.Rngs(1))
   x = np.random.default_rng(0).normal(size=(2, 12, cfg.embed_dim)).astype(np.float32)
   positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
-  got = attn(jnp.asarray(x), positions)
+  graphdef, state = nnx.split(attn)  # jitted: eagerly, op by op, it takes seconds
+  got = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, positions))(state, jnp.asarray(x))
   w = {k: np.asarray(getattr(attn, k)[...], np.float64)
        for k in ('wq_DNH', 'wk_DKH', 'wv_DKH', 'wo_NHD')}
   want = numpy_attention(x.astype(np.float64), w['wq_DNH'], w['wk_DKH'], w['wv_DKH'],
@@ -119,16 +120,31 @@ def _model_and_tokens(**model):
   return Transformer(cfg, rngs=nnx.Rngs(0)), tokens
 
 
+def _jitted(model):
+  """`model(tokens, ...)` compiled once per input shape: eagerly, op by op, a call costs
+  seconds."""
+  graphdef, params = nnx.split(model)
+  call = jax.jit(lambda params, *args: nnx.merge(graphdef, params)(*args))
+  return lambda *args: call(params, *args)
+
+
 def test_scanned_stack_equals_layer_by_layer_loop(one_device):
+  """(Each side jitted: run eagerly, op by op, the two took twice as long.)"""
   model, tokens = _model_and_tokens(num_layers=3)
-  got = model(tokens)
-  graphdef, stacked = nnx.split(model.blocks)
-  positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
-  x = model.embed(tokens)
-  for i in range(3):
-    layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
-    x = layer(x, positions)
-  np.testing.assert_allclose(got, model.logits(x), rtol=1e-5, atol=1e-6)
+  model_def, params = nnx.split(model)
+  got = jax.jit(lambda params: nnx.merge(model_def, params)(tokens))(params)
+
+  @jax.jit
+  def layer_by_layer(params):
+    model = nnx.merge(model_def, params)
+    graphdef, stacked = nnx.split(model.blocks)
+    positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
+    x = model.embed(tokens)
+    for i in range(3):
+      layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+      x = layer(x, positions)
+    return model.logits(x)
+  np.testing.assert_allclose(got, layer_by_layer(params), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('policy', ['full', 'dots', 'dots_except_mlp', 'attention'])
@@ -142,12 +158,13 @@ def test_remat_policies_keep_loss_and_gradients(policy, one_device):
   def grads(gd):
     return jax.jit(jax.grad(lambda p: loss_terms(gd, p, batch)[0]))(params)
 
-  for a, b in zip(jax.tree.leaves(grads(graphdef)), jax.tree.leaves(grads(remat_graphdef))):
+  for a, b in paired_leaves(grads(graphdef), grads(remat_graphdef)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_future_tokens_do_not_change_past_logits(one_device):
   model, tokens = _model_and_tokens()
+  model = _jitted(model)
   changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 256)
   before, after = model(tokens), model(changed)
   np.testing.assert_array_equal(before[:, :10], after[:, :10])
@@ -164,11 +181,11 @@ def test_param_counts_match_the_model(tied, one_device):
 
 def test_bf16_compute_keeps_fp32_params_and_logits(one_device):
   model, tokens = _model_and_tokens(dtype='bfloat16')
-  logits = model(tokens)
+  logits = _jitted(model)(tokens)
   assert logits.dtype == jnp.float32
   assert {x.dtype for x in jax.tree.leaves(nnx.state(model))} == {jnp.dtype('float32')}
   reference, _ = _model_and_tokens()
-  np.testing.assert_allclose(logits, reference(tokens), atol=0.05)
+  np.testing.assert_allclose(logits, _jitted(reference)(tokens), atol=0.05)
 
 
 def _pack(documents, rows: int, length: int):
@@ -209,6 +226,7 @@ def test_packed_rows_give_the_loss_of_one_document_per_row(one_device):
 
 def test_no_token_attends_across_documents(one_device):
   model, tokens = _model_and_tokens()
+  model = _jitted(model)
   segments = jnp.where(jnp.arange(16) < 6, 1, 2) * jnp.ones_like(tokens)
   positions = jnp.where(jnp.arange(16) < 6, jnp.arange(16), jnp.arange(16) - 6) * jnp.ones_like(tokens)
   changed = tokens.at[:, :6].set((tokens[:, :6] + 1) % 256)  # edit only the first document
@@ -295,7 +313,7 @@ def test_packed_cudnn_attention_matches_the_segment_mask(max_documents):
 
   got = outputs_and_gradients('cudnn', jnp.bfloat16, q, k, v, ct, segment_ids)
   want = outputs_and_gradients('xla', jnp.float32, q, k, v, ct, segment_ids)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for g, w in paired_leaves(got, want):
     np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=3e-2, atol=3e-2)
 
 
@@ -325,7 +343,7 @@ def test_projection_gradients_match_autodiff(spec, one_device):
               for k, axes in zip(keys, (x_axes, w_axes, out_axes)))
   got = jax.grad(lambda x, w: jnp.sum(project(spec, x, w, 'float32') * ct), (0, 1))(x, w)
   want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * ct), (0, 1))(x, w)
-  for g, r in zip(got, want):
+  for g, r in paired_leaves(got, want):
     np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
 
 
@@ -382,6 +400,24 @@ def test_chunked_loss_equals_the_whole_logits(chunks, mesh):
         lambda x, w: chunked_loss_sum(chunks, jnp.float32, x, w, targets, mask),
         (0, 1)))(x, w)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-  for g, r in zip(got[1], want[1]):
+  for g, r in paired_leaves(got[1], want[1]):
     assert g.shape == r.shape
     np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_tree_comparisons_fail_on_a_missing_extra_or_moved_leaf():
+  """The helpers every tree comparison here goes through (conftest): a zip of leaves alone
+  would pass a tree that lost a parameter, or pair two parameters by position."""
+  want = {'blocks': {'w': np.ones((2, 3)), 'scale': np.ones(3)}, 'embed': np.ones((4, 3))}
+  assert_params_close({k: v for k, v in want.items()}, want)
+  broken = {
+      'missing': {'blocks': {'w': np.ones((2, 3))}, 'embed': np.ones((4, 3))},
+      'extra': {**want, 'head': np.ones((3, 4))},
+      'renamed': {'blocks': {'w': np.ones((2, 3)), 'norm': np.ones(3)}, 'embed': np.ones((4, 3))},
+      'broadcast': {**want, 'blocks': {'w': np.ones((1, 3)), 'scale': np.ones(3)}},
+  }
+  for name, got in broken.items():
+    with pytest.raises(AssertionError):
+      assert_params_close(got, want)
+    with pytest.raises(AssertionError):
+      paired_leaves(want, got)

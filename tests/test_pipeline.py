@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import assert_params_close, small_config, text_config
+from conftest import (assert_params_close, paired_leaves, small_config, step_gradients,
+                      text_config)
 from jaxllm.config import resolve_mesh
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.model import Transformer
@@ -76,7 +77,7 @@ def test_pipeline_equals_plain_stack(stages, repeats, microbatches, remat, plain
   (loss, grads), (ref_loss, ref_grads) = loss_and_grads(cfg, mesh, pipelined), plain_stack
   assert np.isfinite(loss)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+  for got, want in paired_leaves(grads, ref_grads):
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
@@ -107,14 +108,37 @@ PIPE_MESHES = {  # mesh, pipeline settings, train.micro_batches
 def test_pipelined_training_matches_one_device(mesh, pipeline, micro_batches, corpus,
                                                one_device_run):
   from jaxllm.pipeline import from_stage_order
-  ref_params, ref_losses = one_device_run
+  ref_params, ref_losses, ref_norms = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.pipeline.update(microbatches=mesh['pipe'], **pipeline)
   cfg.train.micro_batches = micro_batches
   state, history = train(cfg)
   np.testing.assert_allclose([r['loss'] for r in history], ref_losses, rtol=1e-5)
+  np.testing.assert_allclose([r['grad_norm'] for r in history], ref_norms, rtol=1e-5)
   params = from_stage_order(jax.device_get(state.params), mesh['pipe'], cfg.pipeline.repeats)
   assert_params_close(params, ref_params)
+
+
+@pytest.mark.parametrize('remat,pipeline', [('full', {}),
+                                             ('dots', dict(schedule='circular', repeats=2))],
+                         ids=['full_gpipe', 'dots_circular'])
+def test_pipelined_step_gradients_match_one_device(remat, pipeline, corpus,
+                                                   one_device_gradients):
+  """The train step's loss and every parameter gradient, pipelined (pipe=2 × data=2 ×
+  tensor=2, 2 pipeline micro-batches; circular adds the per-iteration checkpoint of
+  `stack_policy`) under remat and summed over 2 micro-batches of the batch
+  (train.micro_batches), against one device's step through the plain layer stack (no
+  pipeline, no remat, one batch), in fp32. Gradients themselves, not trained params: AdamW's
+  update is blind to a gradient's scale (see `one_device_run`)."""
+  ref_loss, ref_grads = one_device_gradients
+  cfg = text_config(corpus, pipe=2, data=2, tensor=2)
+  cfg.model.remat = remat
+  cfg.pipeline.update(microbatches=2, **pipeline)
+  cfg.train.micro_batches = 2
+  loss, grads = step_gradients(cfg)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for got, want in paired_leaves(grads, ref_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 def test_each_device_holds_only_its_stage():
