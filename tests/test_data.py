@@ -12,6 +12,7 @@ from conftest import small_config, text_config
 from jaxllm.config import ConfigError
 from jaxllm.data import (BOS_ID, EOS_ID, load_tokenizer, make_batches, make_eval_batches,
                          write_token_records)
+from jaxllm.data import pretokenize as pretokenize_cli
 from jaxllm.data.pretokenize import pretokenize
 from jaxllm.data.sources import split, stream_share
 from jaxllm.data.tokenizer import ByteTokenizer
@@ -112,6 +113,18 @@ def test_pretokenized_shards_hold_the_tokenized_documents(tmp_path):
   got = [records[i] for i in range(len(records))]
   assert all(ids[0] == BOS_ID and ids[-1] == EOS_ID for ids in got)
   assert [ByteTokenizer().decode(ids) for ids in got] == DOCS
+
+
+def test_pretokenize_needs_documents_in_each_shard(tmp_path):
+  from absl import flags
+  from conftest import REPO
+  try:
+    with pytest.raises(ConfigError, match='--shard_docs=0 must be at least 1'):
+      pretokenize_cli.main(['pretokenize', '--config', f'{REPO}/configs/tiny.py',
+                            f'--out={tmp_path}/out', '--shard_docs=0'])
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert not (tmp_path / 'out').exists()
 
 
 # ----------------------------------------------------------------------------- rows
