@@ -445,8 +445,7 @@ def parse_and_place(argv: list[str]):
   profile (compiled for, never present), or with --compiler=cpu N devices simulated on the
   CPU (default: those present, config.cpu_devices on a CPU). Starts JAX's backends."""
   cfg, _ = parse_command_line(argv)
-  if DEVICES.value < 0:
-    raise ConfigError(f'--devices={DEVICES.value} must be positive.')
+  check_flags()
   hardware = hardware_profile(HARDWARE.value, DEVICE_MEMORY.value)
   if COMPILER.value == 'cpu' and DEVICES.value:  # before JAX starts its backends
     jax.config.update('jax_platforms', 'cpu')
@@ -457,6 +456,18 @@ def parse_and_place(argv: list[str]):
   sizes = [cfg.mesh[a] for a in MESH_AXES]
   count = DEVICES.value or (math.prod(sizes) if min(sizes) > 0 else hardware.devices_per_node)
   return cfg, hardware, gpu_devices(hardware, count)
+
+
+def check_flags() -> None:
+  """--devices and --device-memory, when given, must be positive: 0 is their default, which
+  means the mesh's size and the profile's memory, so a 0 given would quietly mean those."""
+  if DEVICES.present and DEVICES.value < 1:
+    raise ConfigError(f'--devices={DEVICES.value} must be at least 1; leave it out for the '
+                      "mesh's size.")
+  memory = DEVICE_MEMORY.value
+  if DEVICE_MEMORY.present and not (math.isfinite(memory) and memory > 0):
+    raise ConfigError(f'--device-memory={memory} must be a positive number of GB; leave it out '
+                      "for the profile's.")
 
 
 def check_dump_directory(directory: str) -> None:

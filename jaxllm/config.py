@@ -255,6 +255,8 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(cfg.optim.state_dtype, 'optim.state_dtype', DTYPES)
   _choice(cfg.data.source, 'data.source', DATA_SOURCES)
   _choice(cfg.data.format, 'data.format', DATA_FORMATS)
+  if cfg.cpu_devices < 0:
+    raise ConfigError(f'cpu_devices={cfg.cpu_devices} must be at least 0 (0: JAX\'s default).')
   if not 0 <= cfg.data.eval_fraction < 1:
     raise ConfigError(f'data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1).')
   for field, least in (('eval.every', 0), ('eval.batches', 1), ('checkpoint.every', 0),
@@ -277,6 +279,11 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
                       '(0: data.seq_len).')
   if m.head_dim % 2:
     raise ConfigError(f'model.head_dim={m.head_dim} must be even for rotary embeddings.')
+  # NaN and inf fail these too: either would reach the model and come out as a NaN loss.
+  for field in ('rope_theta', 'norm_eps', 'init_std'):
+    if not (math.isfinite(m[field]) and m[field] > 0):
+      raise ConfigError(f'model.{field}={m[field]} must be a positive number.')
+  _validate_rope_scaling(m.rope_scaling)
   if m.loss_chunk < 0 or (m.loss_chunk and cfg.data.seq_len > m.loss_chunk and
                           cfg.data.seq_len % m.loss_chunk):
     raise ConfigError(f'model.loss_chunk={m.loss_chunk} must divide data.seq_len='
@@ -293,6 +300,16 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
       raise ConfigError(f'train.{field}={t[field]} must be at least 1.')
   if cfg.data.seq_len < 1:
     raise ConfigError(f'data.seq_len={cfg.data.seq_len} must be at least 1.')
+  if not 0 <= t.seed < 2**32:  # the data's shuffle and the synthetic batch take no other
+    raise ConfigError(f'train.seed={t.seed} must be in [0, 2**32).')
+  if not (math.isfinite(t.peak_flops) and t.peak_flops >= 0):  # a negative one was ignored
+    raise ConfigError(f'train.peak_flops={t.peak_flops} must be a device\'s peak FLOP/s, or 0 '
+                      'to look the device up.')
+  if cfg.pipeline.repeats < 1:
+    raise ConfigError(f'pipeline.repeats={cfg.pipeline.repeats} must be at least 1.')
+  if cfg.pipeline.microbatches < 0:
+    raise ConfigError(f'pipeline.microbatches={cfg.pipeline.microbatches} must be at least 0 '
+                      '(0: 2 × mesh.pipe).')
   shards = mesh_shape['data'] * mesh_shape['fsdp']
   if t.global_batch % (shards * t.micro_batches):
     raise ConfigError(
@@ -309,6 +326,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
                       f'of {", ".join(MESH_AXES)}.')
   if cfg.data.streams < 0:
     raise ConfigError(f'data.streams={cfg.data.streams} must be at least 0 (0: one per process).')
+  validate_distributed(cfg.distributed)
 
   rules = cfg.sharding.rules
   for name, axes in rules.items():
@@ -323,6 +341,37 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
 def context_length(cfg: ConfigDict) -> int:
   """The context the model is for: model.max_position, or the rows it trains on."""
   return cfg.model.max_position or cfg.data.seq_len
+
+
+def _validate_rope_scaling(s: ConfigDict) -> None:
+  """Llama-3 frequency scaling, as transformers checks it: factor 0 turns it off, else
+  factor ≥ 1 and 0 < low_freq_factor < high_freq_factor (the blend divides by their gap)."""
+  if s.factor == 0:
+    return
+  if not (math.isfinite(s.factor) and s.factor >= 1):
+    raise ConfigError(f'model.rope_scaling.factor={s.factor} must be at least 1 (how many times '
+                      'original_max_position the context grows), or 0 for no scaling.')
+  if not 0 < s.low_freq_factor < s.high_freq_factor < math.inf:
+    raise ConfigError(f'model.rope_scaling.low_freq_factor={s.low_freq_factor} and '
+                      f'high_freq_factor={s.high_freq_factor} must have 0 < low < high '
+                      '(Llama 3.1: 1 and 4).')
+  if s.original_max_position < 1:
+    raise ConfigError(f'model.rope_scaling.original_max_position={s.original_max_position} must '
+                      'be the context length the model was trained for, e.g. 8192.')
+
+
+def validate_distributed(d: ConfigDict) -> None:
+  """The ranges of distributed.*. Processes join before the rest of the config is validated,
+  so `distributed` calls this first too."""
+  if d.num_processes < 0:
+    raise ConfigError(f'distributed.num_processes={d.num_processes} must be positive (or 0: '
+                      'from the cluster).')
+  if d.process_id < -1:
+    raise ConfigError(f'distributed.process_id={d.process_id} must be at least 0 (or -1: from '
+                      'the cluster).')
+  for field in ('initialization_timeout', 'heartbeat_timeout'):
+    if d[field] < 1:
+      raise ConfigError(f'distributed.{field}={d[field]} must be at least 1 (seconds).')
 
 
 def pipeline_shape(cfg: ConfigDict, stages: int) -> tuple[int, int]:

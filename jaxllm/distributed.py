@@ -23,7 +23,7 @@ import time
 import jax
 from ml_collections import ConfigDict
 
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, validate_distributed
 
 # Keys: _LIVE/<process>/beat, a counter that goes up while the process lives, and
 # _LIVE/<process>/done once it has finished cleanly; _FAILED/<process>, why it failed.
@@ -46,22 +46,17 @@ def _stop(message: str) -> None:
 
 def _join(d: ConfigDict) -> bool:
   """Starts jax.distributed; False when this is a single process."""
+  validate_distributed(d)
   explicit = d.coordinator_address or d.num_processes > 0 or d.process_id >= 0
   if d.num_processes == 1:
     return False
   if explicit:
-    if d.num_processes < 0:
-      raise ConfigError(f'distributed.num_processes={d.num_processes} must be positive (or 0: '
-                        'from the cluster).')
     if d.num_processes and not 0 <= d.process_id < d.num_processes:
       raise ConfigError(f'distributed.process_id={d.process_id} must be in 0…'
                         f'{d.num_processes - 1} for distributed.num_processes={d.num_processes}.')
     if d.coordinator_address and ':' not in d.coordinator_address:
       raise ConfigError(f'distributed.coordinator_address={d.coordinator_address!r} needs a '
                         "port: give 'host:port' (process 0's host, a free port).")
-  for field in ('initialization_timeout', 'heartbeat_timeout'):
-    if d[field] < 1:
-      raise ConfigError(f'distributed.{field}={d[field]} must be at least 1 (seconds).')
 
   where = d.coordinator_address or 'the address the cluster gives'
   timer = threading.Timer(d.initialization_timeout, _stop, [

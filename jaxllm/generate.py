@@ -47,8 +47,8 @@ class Sampling:
   top_p: float = 1.0
 
   def check(self) -> None:
-    if not self.temperature > 0:
-      raise ConfigError(f'temperature={self.temperature} must be positive; use --greedy '
+    if not 0 < self.temperature < math.inf:  # inf would divide every logit to 0: uniform
+      raise ConfigError(f'temperature={self.temperature} must be a positive number; use --greedy '
                         '(greedy=True) for the most likely token.')
     if self.top_k is not None and self.top_k < 1:
       raise ConfigError(f'top_k={self.top_k} must be at least 1; leave it out to sample from '
@@ -251,6 +251,8 @@ def parse_flags(argv: list[str]) -> Sampling:
                       'to generate, at least 1.')
   if _CONTEXT.value is not None and _CONTEXT.value < 1:
     raise ConfigError(f'--context={_CONTEXT.value} must be at least 1.')
+  if not -2**63 <= _SEED.value < 2**63:  # what a JAX key is made from
+    raise ConfigError(f'--seed={_SEED.value} must fit in 64 bits, e.g. 0.')
   chosen = [f'--{f.name}' for f in (_TEMPERATURE, _TOP_K, _TOP_P) if f.value is not None]
   if _GREEDY.value and chosen:
     raise ConfigError(f'--greedy takes the likeliest token, so {", ".join(chosen)} would be '

@@ -108,7 +108,7 @@ def hardware_profile(name: str, device_memory_gb: float = 0.0) -> Hardware:
   if name not in PROFILES:
     raise ConfigError(f'--hardware={name!r} is unknown; use one of {", ".join(PROFILES)}.')
   profile = PROFILES[name]
-  if device_memory_gb < 0:
+  if not (math.isfinite(device_memory_gb) and device_memory_gb >= 0):
     raise ConfigError(f'--device-memory={device_memory_gb} must be positive (GB).')
   if device_memory_gb:
     profile = dataclasses.replace(profile, memory=device_memory_gb * 1e9)

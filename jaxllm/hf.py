@@ -468,6 +468,9 @@ def main(argv: list[str]) -> None:
   export_cmd.add_argument('--max-shard-gb', type=float, default=5.0,
                           help='split the weights into files of at most this size (GB)')
   args = parser.parse_args(argv[1:])
+  if not 0 < args.max_shard_gb < math.inf:
+    raise ConfigError(f'--max-shard-gb={args.max_shard_gb} must be a positive number of GB, '
+                      'e.g. 5.')
   start_backends()
   export_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_gb * 10**9))
   print(f'exported {args.checkpoint} to {args.out}')

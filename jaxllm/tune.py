@@ -132,21 +132,36 @@ def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -
   return '\n'.join(lines)
 
 
+def check_flags() -> tuple[list[str], list[int]]:
+  """The ranges of tune's own flags; returns the remat policies and micro-batch counts. (An
+  empty list or a count of 0 would otherwise read as 'no mesh fits'.)"""
+  if _MEASURE.value < 0:
+    raise ConfigError(f'--measure={_MEASURE.value} must be at least 0 (0: rank only).')
+  if _MEASURE_STEPS.value < 1:
+    raise ConfigError(f'--measure-steps={_MEASURE_STEPS.value} must be at least 1.')
+  remats = _REMAT.value
+  if not remats:
+    raise ConfigError(f'--remat is empty; give policies to try, from {", ".join(REMAT_POLICIES)}.')
+  for remat in remats:
+    if remat not in REMAT_POLICIES:
+      raise ConfigError(f'--remat={remat!r} is unknown; use {", ".join(REMAT_POLICIES)}.')
+  try:
+    micro_batches = [int(m) for m in _MICRO_BATCHES.value]
+  except ValueError:
+    micro_batches = []
+  if not micro_batches or min(micro_batches) < 1:
+    raise ConfigError(f'--micro-batches={",".join(_MICRO_BATCHES.value)} must be integers of '
+                      'at least 1, e.g. 1,2,4.')
+  return remats, micro_batches
+
+
 def main(argv: list[str]) -> None:
   cfg, hardware, devices = analyze.parse_and_place(argv)
+  remats, micro_batches = check_flags()
   if _MEASURE.value and len(devices) != jax.device_count():
     raise ConfigError(f'--measure runs the candidates on the devices present, '
                       f'{jax.device_count()} × {jax.devices()[0].device_kind}; rank for as many '
                       f'(--devices {jax.device_count()}) or leave --measure out.')
-  remats = _REMAT.value
-  try:
-    micro_batches = [int(m) for m in _MICRO_BATCHES.value]
-  except ValueError:
-    raise ConfigError(f'--micro-batches={",".join(_MICRO_BATCHES.value)} must be integers, '
-                      'e.g. 1,2,4.') from None
-  for remat in remats:
-    if remat not in REMAT_POLICIES:
-      raise ConfigError(f'--remat={remat!r} is unknown; use {", ".join(REMAT_POLICIES)}.')
   rows, skipped = rank(cfg, hardware, remats, micro_batches, devices)
   if not rows:
     raise ConfigError(f'no mesh of {len(devices)} devices fits {hardware.name} '

@@ -7,9 +7,12 @@ import re
 
 import jax
 import pytest
+from absl import flags
 
 from conftest import data_reductions, run_cli, small_config
-from jaxllm import backends, hlo
+from jaxllm import analyze as analyze_cli
+from jaxllm import backends, hlo, tune
+from jaxllm.config import ConfigError
 from jaxllm.analyze import analyze, compile_step, expected_bytes
 from jaxllm.hardware import PROFILES, axes_across_nodes
 from jaxllm.tune import factorisations, measure, rank
@@ -251,6 +254,7 @@ def test_analyze_says_a_step_does_not_fit_a_small_device():
 
 @pytest.mark.parametrize('args, field', [
     (['--devices', '3'], 'mesh'),
+    (['--devices=0'], '--devices=0 must be at least 1'),
     (['--hardware', 'h1000'], '--hardware'),
 ])
 def test_analyze_bad_input_gets_one_line(args, field):
@@ -258,6 +262,25 @@ def test_analyze_bad_input_gets_one_line(args, field):
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and field in lines[0], result.stderr
+
+
+@pytest.mark.parametrize('module, args, message', [
+    (analyze_cli, ['--devices=-2'], '--devices=-2 must be at least 1'),
+    (analyze_cli, ['--device-memory=0'], '--device-memory=0.0 must be a positive number'),
+    (analyze_cli, ['--device-memory=nan'], '--device-memory=nan must be a positive number'),
+    (tune, ['--measure=-1'], '--measure=-1 must be at least 0'),
+    (tune, ['--measure-steps=0'], '--measure-steps=0 must be at least 1'),
+    (tune, ['--micro-batches=2,0'], '--micro-batches=2,0 must be integers of at least 1'),
+    (tune, ['--remat='], '--remat is empty'),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_flags_are_config_errors(module, args, message):
+  """The flags each command checks once they are parsed (the CLI case above: one line)."""
+  try:
+    flags.FLAGS(['prog', *args])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+      module.check_flags()
+  finally:
+    flags.FLAGS.unparse_flags()
 
 
 def test_tune_says_when_nothing_fits():

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, small_config
+from jaxllm.config import ConfigError, validate
 
 
 def test_tiny_config_trains_evaluates_and_writes_metrics(tmp_path):
@@ -112,6 +113,67 @@ def test_bad_input_is_one_readable_line(args, field, tmp_path):
   assert lines[0].startswith('error: ') and field in lines[0]
   assert 'Traceback' not in result.stdout + result.stderr
   assert not os.path.exists(workdir)
+
+
+# Numeric fields outside their meaningful range, checked in-process by `validate` (the CLI
+# cases above prove the one-line exit): overrides -> what the message must say.
+LLAMA3 = {'model.rope_scaling.factor': 8.0}
+BAD_NUMBERS = [
+    ({'cpu_devices': -1}, 'cpu_devices=-1 must be at least 0'),
+    ({'model.rope_theta': 0.0}, 'model.rope_theta=0.0 must be a positive number'),
+    ({'model.rope_theta': math.nan}, 'model.rope_theta=nan must be a positive number'),
+    ({'model.norm_eps': -1e-5}, 'model.norm_eps=-1e-05 must be a positive number'),
+    ({'model.init_std': 0.0}, 'model.init_std=0.0 must be a positive number'),
+    ({'model.init_std': math.inf}, 'model.init_std=inf must be a positive number'),
+    ({'model.rope_scaling.factor': -8.0}, 'model.rope_scaling.factor=-8.0 must be at least 1'),
+    ({'model.rope_scaling.factor': 0.5}, 'model.rope_scaling.factor=0.5 must be at least 1'),
+    ({**LLAMA3, 'model.rope_scaling.high_freq_factor': 1.0},
+     'low_freq_factor=1.0 and high_freq_factor=1.0 must have 0 < low < high'),
+    ({**LLAMA3, 'model.rope_scaling.low_freq_factor': 0.0},
+     'low_freq_factor=0.0 and high_freq_factor=4.0 must have 0 < low < high'),
+    ({**LLAMA3, 'model.rope_scaling.original_max_position': 0},
+     'model.rope_scaling.original_max_position=0 must be'),
+    ({'train.peak_flops': -1e15}, 'train.peak_flops=-1000000000000000.0 must be'),
+    ({'train.peak_flops': math.nan}, 'train.peak_flops=nan must be'),
+    ({'train.seed': -1}, 'train.seed=-1 must be in [0, 2**32)'),
+    ({'train.seed': 2**32}, 'train.seed=4294967296 must be in [0, 2**32)'),
+    ({'pipeline.repeats': 0}, 'pipeline.repeats=0 must be at least 1'),
+    ({'pipeline.microbatches': -2}, 'pipeline.microbatches=-2 must be at least 0'),
+    ({'distributed.num_processes': -1}, 'distributed.num_processes=-1 must be positive'),
+    ({'distributed.process_id': -2}, 'distributed.process_id=-2 must be at least 0'),
+    ({'distributed.initialization_timeout': 0},
+     'distributed.initialization_timeout=0 must be at least 1'),
+    ({'distributed.heartbeat_timeout': -5}, 'distributed.heartbeat_timeout=-5 must be at least 1'),
+]
+ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)
+
+
+def with_fields(overrides: dict):
+  """`small_config` with dotted fields set, as --config.a.b=v would set them."""
+  cfg = small_config()
+  for path, value in overrides.items():
+    *sections, name = path.split('.')
+    node = cfg
+    for section in sections:
+      node = node[section]
+    node[name] = value
+  return cfg
+
+
+@pytest.mark.parametrize('overrides, message', BAD_NUMBERS, ids=[str(o) for o, _ in BAD_NUMBERS])
+def test_numbers_out_of_range_are_config_errors(overrides, message):
+  with pytest.raises(ConfigError) as error:
+    validate(with_fields(overrides), ONE_DEVICE)
+  assert message in str(error.value) and '\n' not in str(error.value)
+
+
+def test_numbers_at_the_edge_of_their_range_are_valid():
+  """The checks are not stricter than the fields: each bound itself is accepted."""
+  validate(with_fields({'cpu_devices': 0, 'train.peak_flops': 0.0, 'train.seed': 2**32 - 1,
+                        'pipeline.microbatches': 0, 'model.rope_scaling.factor': 1.0,
+                        'model.rope_scaling.original_max_position': 1,
+                        'distributed.process_id': -1, 'distributed.heartbeat_timeout': 1}),
+           ONE_DEVICE)
 
 
 def test_missing_config_file_is_one_readable_line():

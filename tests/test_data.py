@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ from conftest import small_config, text_config
 from jaxllm.config import ConfigError
 from jaxllm.data import (BOS_ID, EOS_ID, load_tokenizer, make_batches, make_eval_batches,
                          write_token_records)
+from jaxllm.data import pretokenize as pretokenize_cli
 from jaxllm.data.pretokenize import pretokenize
 from jaxllm.data.sources import split, stream_share
 from jaxllm.data.tokenizer import ByteTokenizer
@@ -111,6 +113,18 @@ def test_pretokenized_shards_hold_the_tokenized_documents(tmp_path):
   got = [records[i] for i in range(len(records))]
   assert all(ids[0] == BOS_ID and ids[-1] == EOS_ID for ids in got)
   assert [ByteTokenizer().decode(ids) for ids in got] == DOCS
+
+
+def test_pretokenize_needs_documents_in_each_shard(tmp_path):
+  from absl import flags
+  from conftest import REPO
+  try:
+    with pytest.raises(ConfigError, match='--shard_docs=0 must be at least 1'):
+      pretokenize_cli.main(['pretokenize', '--config', f'{REPO}/configs/tiny.py',
+                            f'--out={tmp_path}/out', '--shard_docs=0'])
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert not (tmp_path / 'out').exists()
 
 
 # ----------------------------------------------------------------------------- rows
@@ -462,3 +476,27 @@ def test_streams_must_divide_the_batch(tmp_path, mesh):
   with pytest.raises(ConfigError, match='train.global_batch=8 rows do not split evenly into '
                                         'data.streams=3'):
     make_batches(cfg, mesh)
+
+
+@pytest.mark.parametrize('bad_id, problem', [
+    (264, 'token id 264 is outside model.vocab_size=264; set model.vocab_size to at least 265'),
+    (-3, 'token id -3 is negative')])
+def test_every_record_of_token_ids_is_checked(tmp_path, bad_id, problem):
+  """An id outside the vocabulary in a later record (not the first, checked at start-up)
+  stops the run naming the file and the record, through the trainer's read-ahead threads:
+  the embedding gather would clamp it, and the run would show only a NaN."""
+  from jaxllm.train import train
+  path = tmp_path / 'ids.arrayrecord'
+  write_token_records(str(path), [[1, 5, 6, 2]] * 3 + [[1, 7, bad_id, 2]] + [[1, 9, 2]] * 2)
+  cfg = files_config(path, prefetch=4)  # small_config: model.vocab_size=264
+  with pytest.raises(ConfigError, match=re.escape(f'{path}, record 3 (counting from 0): '
+                                                  f'{problem}')) as error:
+    train(cfg, devices=jax.devices()[:1])
+  assert '\n' not in str(error.value)
+
+
+def test_token_ids_up_to_the_vocabulary_load(tmp_path, mesh):
+  path = tmp_path / 'ids.arrayrecord'
+  write_token_records(str(path), [[1, 5, 2], [0, 263, 263], [1, 9, 2]])
+  batch = jax.device_get(next(make_batches(files_config(path), mesh)))
+  assert batch['inputs'].min() == 0 and batch['inputs'].max() == 263

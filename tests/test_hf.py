@@ -294,3 +294,11 @@ def test_bad_checkpoint_is_a_one_line_config_error(problem, tmp_path):
   with pytest.raises(ConfigError, match=message) as error:
     hf.load(str(directory), mesh_of(), RULES)
   assert '\n' not in str(error.value)
+
+
+@pytest.mark.parametrize('size', ['0', '-1', 'nan', 'inf'])
+def test_export_needs_a_positive_shard_size(size, tmp_path):
+  with pytest.raises(ConfigError, match=rf'--max-shard-gb={size}.* must be a positive number'):
+    hf.main(['hf', 'export', '--checkpoint', str(tmp_path / 'run'), '--out',
+             str(tmp_path / 'out'), '--max-shard-gb', size])
+  assert not (tmp_path / 'out').exists()

@@ -48,9 +48,11 @@ def pretokenize(data_cfg, out: str, shard_docs: int) -> None:
 
 def main(argv: list[str]) -> None:
   cfg, _ = parse_command_line(argv)
-  start_backends(cfg)
   if not _OUT.value:
     raise ConfigError('--out is required: the directory to write the ArrayRecord shards to.')
+  if _SHARD_DOCS.value < 1:
+    raise ConfigError(f'--shard_docs={_SHARD_DOCS.value} must be at least 1.')
+  start_backends(cfg)
   pretokenize(cfg.data, _OUT.value, _SHARD_DOCS.value)
   print(f"train on them with --config.data.path='{os.path.join(_OUT.value, 'train-*.arrayrecord')}'")
 

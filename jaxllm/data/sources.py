@@ -179,11 +179,14 @@ class ParquetFiles(_Files):
 
 
 class TokenRecords:
-  """Pre-tokenised documents: one ArrayRecord record of little-endian int32 ids each."""
+  """Pre-tokenised documents: one ArrayRecord record of little-endian int32 ids each.
 
-  def __init__(self, files):
+  With a `vocab_size`, every record's ids are checked as it is read: the embedding gather
+  would clamp an id outside [0, vocab_size) silently, and the run would show only a NaN."""
+
+  def __init__(self, files, vocab_size: int | None = None):
     from grain.sources import ArrayRecordDataSource
-    self.files = files
+    self.files, self.vocab_size = files, vocab_size
     try:
       self._source = ArrayRecordDataSource(files)
     except Exception as e:
@@ -194,7 +197,28 @@ class TokenRecords:
     return len(self._source)
 
   def __getitem__(self, index: int) -> np.ndarray:
-    return np.frombuffer(self._source[index], '<i4').astype(np.int32)
+    ids = np.frombuffer(self._source[index], '<i4').astype(np.int32)
+    if self.vocab_size is not None and ids.size and (
+        ids.max() >= self.vocab_size or ids.min() < 0):
+      self._bad_ids(index, ids)
+    return ids
+
+  def _bad_ids(self, index: int, ids: np.ndarray) -> None:
+    """Raises ConfigError naming the file, the record in it and the id outside the vocabulary
+    (the files are counted again here: only an error pays for it)."""
+    from grain.sources import ArrayRecordDataSource
+    for path in self.files:
+      count = len(ArrayRecordDataSource([path]))
+      if index < count:
+        break
+      index -= count
+    where = f'{path}, record {index} (counting from 0)'
+    if ids.min() < 0:
+      raise ConfigError(f'{where}: token id {int(ids.min())} is negative; the file is not '
+                        'token ids of this vocabulary, re-tokenise it.')
+    raise ConfigError(f'{where}: token id {int(ids.max())} is outside model.vocab_size='
+                      f'{self.vocab_size}; set model.vocab_size to at least '
+                      f'{int(ids.max()) + 1}, or re-tokenise the file.')
 
 
 def write_token_records(path: str, documents_ids) -> int:
@@ -210,8 +234,10 @@ def write_token_records(path: str, documents_ids) -> int:
   return count
 
 
-def open_documents(data_cfg: ConfigDict, path: str, field: str = 'data.path'):
-  """The reader of every document at `path` (data.path or data.eval_path), in file order."""
+def open_documents(data_cfg: ConfigDict, path: str, field: str = 'data.path',
+                   vocab_size: int | None = None):
+  """The reader of every document at `path` (data.path or data.eval_path), in file order.
+  `vocab_size`: pre-tokenised ids must lie below it (see `TokenRecords`)."""
   files = resolve_files(path, field)
   kind = file_format(data_cfg, files, field)
   if kind == 'text':
@@ -222,7 +248,7 @@ def open_documents(data_cfg: ConfigDict, path: str, field: str = 'data.path'):
     return JsonlFiles(files, data_cfg.text_field)
   if kind == 'parquet':
     return ParquetFiles(files, data_cfg.text_field)
-  return TokenRecords(files)
+  return TokenRecords(files, vocab_size)
 
 
 class Subset:
@@ -238,15 +264,15 @@ class Subset:
     return self.source[int(self.indices[i])]
 
 
-def split(data_cfg: ConfigDict, name: str) -> Subset | None:
+def split(data_cfg: ConfigDict, name: str, vocab_size: int | None = None) -> Subset | None:
   """The 'train' or 'eval' documents; no 'eval' (None) without data.eval_path or
-  data.eval_fraction."""
+  data.eval_fraction. `vocab_size`: as for `open_documents`."""
   if name == 'eval' and data_cfg.eval_path:
-    evaluation = open_documents(data_cfg, data_cfg.eval_path, 'data.eval_path')
+    evaluation = open_documents(data_cfg, data_cfg.eval_path, 'data.eval_path', vocab_size)
     return Subset(evaluation, np.arange(len(evaluation)))
   if name == 'eval' and not data_cfg.eval_fraction:
     return None
-  documents = open_documents(data_cfg, data_cfg.path)
+  documents = open_documents(data_cfg, data_cfg.path, vocab_size=vocab_size)
   if data_cfg.eval_path or not data_cfg.eval_fraction:
     return Subset(documents, np.arange(len(documents)))
   held = max(1, round(len(documents) * data_cfg.eval_fraction))
