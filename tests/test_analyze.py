@@ -247,3 +247,31 @@ def test_tune_says_when_nothing_fits():
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and 'no mesh of 8 devices fits' in lines[0], result.stderr
+
+
+def test_zero_reduce_scatters_gradients_and_gathers_params_over_data():
+  """The CPU compiler's program (the GPU's: test_gpu_program) on data=4 × fsdp=2: ZeRO-1
+  turns the gradients' one all-reduce over data into reduce-scatters and all-gathers of the
+  updated params, moving the same bytes, as `expected_bytes` says."""
+  compiled = {}
+  for zero in (0, 1):
+    cfg = comm_config(data=4, fsdp=2)
+    cfg.model.num_layers = 2
+    cfg.sharding.zero = zero
+    compiled[zero] = compile_step(cfg)
+  over_data = {zero: [x for x in hlo.collectives(c.text, c.mesh_shape, cpu=True)
+                      if 'data' in x.axes] for zero, c in compiled.items()}
+  assert [(x.kind, x.axes) for x in over_data[0]] == [('all-reduce', ('data',))]
+  # Gradients and params move as reduce-scatters and all-gathers; what is still all-reduced
+  # are scalars: the pieces of the gradient norm, and the step's loss and token count.
+  moved = {(x.kind, x.axes) for x in over_data[1] if x.kind != 'all-reduce'}
+  assert moved == {('reduce-scatter', ('data',)), ('all-gather', ('data',))}
+  assert max(x.bytes_per_call for x in over_data[1] if x.kind == 'all-reduce') < 32
+  split = compiled[1].zero_split_bytes
+  assert split == compiled[1].state_bytes['params']  # every parameter's update is split
+  for kind in ('reduce-scatter', 'all-gather'):
+    assert sum(x.bytes for x in over_data[1] if x.kind == kind) == pytest.approx(3 / 4 * split)
+  total = {zero: sum(x.bytes for x in xs) for zero, xs in over_data.items()}
+  assert total[1] == pytest.approx(total[0], rel=1e-3)
+  assert expected_bytes(compiled[1])[('data',)] == expected_bytes(compiled[0])[('data',)]
+  assert expected_bytes(compiled[1])[('data',)] == pytest.approx(total[1], rel=1e-3)

@@ -167,3 +167,13 @@ def test_zero_splits_the_moments_over_data_not_the_params():
   assert wq.sharding.shard_shape(wq.shape) == (2, 64 // (2 * 4), 8, 8)
   wq = zero.params['blocks']['attn']['wq_DNH'][...]
   assert wq.sharding.shard_shape(wq.shape) == (2, 64 // 2, 8, 8)
+
+
+def test_zero_without_a_data_axis_is_a_note(capsys):
+  """Nothing to split: the run says so and goes on with the state it would have had."""
+  cfg = small_config(fsdp=2)
+  cfg.sharding.zero = 1
+  run = setup(cfg, jax.devices()[:2])
+  assert 'note: sharding.zero=1 splits over the data axis, but mesh.data=1' in capsys.readouterr().out
+  mu = run.state.opt_state[1][0].mu['embed_VD'][...]
+  assert mu.sharding.spec == jax.P('tensor', 'fsdp')
