@@ -24,7 +24,7 @@ DATA_SOURCES = ('files', 'synthetic')
 DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord')
 PIPELINE_SCHEDULES = ('gpipe', 'circular')
 GATHER_MODES = ('step', 'iteration')
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2)
 
 # Which config field sets the size of each logical parameter axis (for error messages).
 AXIS_FIELDS = {
@@ -123,7 +123,9 @@ def default_config() -> ConfigDict:
   # ZeRO over data, on top of what the rules split: 0 off; 1 the AdamW moments split over
   # data as well: the gradients' all-reduce becomes a reduce-scatter, each device updates its
   # slice of the parameters and the slices are all-gathered (the same bytes as the
-  # all-reduce). Parameters stay whole over data. Means nothing when mesh.data=1.
+  # all-reduce); 2 the fp32 gradient sum too, each micro-batch's gradients reduce-scattered
+  # into it (train.micro_batches times the reduce-scatter traffic; with one micro-batch, the
+  # traffic of 1). Parameters stay whole over data. Means nothing when mesh.data=1.
   c.sharding.zero = 0
 
   # Used when mesh.pipe > 1: the layer stack is split into mesh.pipe stages.
@@ -261,8 +263,8 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(cfg.optim.state_dtype, 'optim.state_dtype', DTYPES)
   _choice(cfg.data.source, 'data.source', DATA_SOURCES)
   if cfg.sharding.zero not in ZERO_STAGES:
-    raise ConfigError(f'sharding.zero={cfg.sharding.zero!r} is unknown; use 0 (off) or 1 '
-                      '(optimizer state split over data).')
+    raise ConfigError(f'sharding.zero={cfg.sharding.zero!r} is unknown; use 0 (off), 1 (optimizer '
+                      'state split over data) or 2 (and the gradient sum).')
   _choice(cfg.data.format, 'data.format', DATA_FORMATS)
   if not 0 <= cfg.data.eval_fraction < 1:
     raise ConfigError(f'data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1).')

@@ -121,19 +121,21 @@ def test_tensor_splits_heads_and_hidden_units():
   assert _shard_shapes(blocks['mlp']['w_down_FD'][...]) == {(4, 128 // 4, 64)}
 
 
-ZERO_RUNS = {  # mesh, micro-batches
-    'data4_fsdp2': (dict(data=4, fsdp=2), 1),
-    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), 1),
-    'data2_fsdp2_tensor2_micro2': (dict(data=2, fsdp=2, tensor=2), 2),
+ZERO_RUNS = {  # mesh, micro-batches, sharding.zero
+    'data4_fsdp2': (dict(data=4, fsdp=2), 1, 1),
+    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), 1, 1),
+    'data2_fsdp2_tensor2_micro2': (dict(data=2, fsdp=2, tensor=2), 2, 1),
+    'data4_fsdp2_zero2': (dict(data=4, fsdp=2), 1, 2),
+    'data2_fsdp2_tensor2_micro2_zero2': (dict(data=2, fsdp=2, tensor=2), 2, 2),
 }
 
 
-@pytest.mark.parametrize('mesh, micro_batches', ZERO_RUNS.values(), ids=ZERO_RUNS.keys())
-def test_zero_trains_like_one_device(mesh, micro_batches, corpus, one_device_run):
+@pytest.mark.parametrize('mesh, micro_batches, zero', ZERO_RUNS.values(), ids=ZERO_RUNS.keys())
+def test_zero_trains_like_one_device(mesh, micro_batches, zero, corpus, one_device_run):
   ref_params, ref_losses = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.train.micro_batches = micro_batches
-  cfg.sharding.zero = 1
+  cfg.sharding.zero = zero
   state, history = train(cfg)
   np.testing.assert_allclose([row['loss'] for row in history], ref_losses, rtol=1e-5)
   assert_params_close(jax.device_get(state.params), ref_params)
