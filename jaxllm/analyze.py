@@ -147,10 +147,11 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
 
   Weights move in the compute dtype, gradients in model.grad_reduce_dtype (`g·` below scales
   parameter bytes to it; `a·` to the compute dtype).
-  data: a ring all-reduce of the gradients, 2(N−1)/N·g·P, once per step. Under ZeRO
-    (sharding.zero=1) the gradients of the parameters whose update it splits (Z of P) are
-    reduce-scattered and the updated parameters all-gathered instead, (N−1)/N·(g + 1)·Z: the
-    all-reduce's bytes when g = 1 (the ZeRO paper's "same traffic as data parallelism").
+  data: a ring all-reduce of the gradients, 2(N−1)/N·g·P, once per step. Under ZeRO the
+    gradients of the parameters whose update it splits (Z of P) are reduce-scattered and the
+    updated parameters all-gathered instead, (N−1)/N·(g + 1)·Z: the all-reduce's bytes when
+    g = 1 (the ZeRO paper's "same traffic as data parallelism"); with sharding.zero=2 the
+    reduce-scatter runs per micro-batch, (N−1)/N·(M·g + 1)·Z.
   fsdp, per micro-batch: the layers' weights all-gathered in forward and backward and their
     gradients reduce-scattered, (N−1)/N·(2a + g)·P; the output head gathered once (the loss
     takes its gradients as it goes) and reduced, (N−1)/N·(a + g)·P; under a pipeline with
@@ -181,7 +182,8 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   n = shape['data']
   if n > 1:
     split = c.zero_split_bytes
-    expected[('data',)] = (n - 1) / n * (2 * g * (params - split) + (g + 1) * split)
+    scatters = t.micro_batches if cfg.sharding.zero == 2 else 1
+    expected[('data',)] = (n - 1) / n * (2 * g * (params - split) + (scatters * g + 1) * split)
   n = shape['fsdp']
   if n > 1 and not (c.pipeline and c.pipeline.gather_weights == 'iteration'):
     # Whole bytes (before the fsdp split) of what is gathered twice and what once.
@@ -247,8 +249,11 @@ def peak_bytes(executable: jax.stages.Compiled) -> int:
 def memory(c: Compiled) -> dict[str, float]:
   """Per-device bytes: state from its shardings, the rest from the compiler's buffer
   assignment."""
+  gradients = c.state_bytes['params']  # as the params; held among the temporaries
+  if c.cfg.sharding.zero == 2:  # the sum split as the moments are
+    gradients -= c.zero_split_bytes * (1 - 1 / c.mesh_shape['data'])
   return {'params': c.state_bytes['params'], 'optimizer': c.state_bytes['optimizer'],
-          'gradients': c.state_bytes['params'],  # as the params; held among the temporaries
+          'gradients': gradients,
           'temporaries': c.executable.memory_analysis().temp_size_in_bytes,
           'peak': peak_bytes(c.executable)}
 
@@ -378,7 +383,7 @@ def format_report(r: dict) -> str:
       'memory per device:',
       f'  params       {size_text(mem["params"]):>12}',
       f'  optimizer    {size_text(mem["optimizer"]):>12}',
-      f'  gradients    {size_text(mem["gradients"]):>12}   (as the params; among the temporaries)',
+      f'  gradients    {size_text(mem["gradients"]):>12}   (their sum; among the temporaries)',
       f'  temporaries  {size_text(mem["temporaries"]):>12}   (activations, gradients, workspace: '
       'the compiler\'s buffer assignment)',
       f'  peak         {size_text(mem["peak"]):>12}   {fit} the {size_text(mem["usable"])} a '

@@ -106,28 +106,22 @@ def flax_rules(rules) -> tuple:
   return tuple((name, _spec_entry(spec_axes(axes))) for name, axes in rules.items())
 
 
-def zero_dim(spec: P, shape: tuple[int, ...], mesh_shape) -> int | None:
-  """The dimension ZeRO splits over data as well: the one with the largest shard under `spec`
-  that still splits evenly data ways more. None when data is one device, is in `spec`
-  already, or no dimension divides."""
+def over_data(spec: P, shape: tuple[int, ...], mesh_shape) -> P:
+  """ZeRO's layout of an array laid out by `spec`: 'data' added after the axes of the
+  dimension with the largest shard that still splits evenly, so each device keeps a 1/data
+  slice of the shard it had (no data moves to make it). `spec` itself when data is one
+  device, is already in it, or no dimension divides."""
   n = mesh_shape['data']
-  axes = [spec_axes(e) for e in list(spec) + [None] * (len(shape) - len(spec))]
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  axes = [spec_axes(e) for e in entries]
   if n == 1 or any('data' in a for a in axes):
-    return None
+    return spec
   parts = [math.prod(mesh_shape[a] for a in dim_axes) for dim_axes in axes]
   fits = [i for i, d in enumerate(shape) if d % (parts[i] * n) == 0]
-  return max(fits, key=lambda i: shape[i] // parts[i]) if fits else None  # the first of equals
-
-
-def over_data(spec: P, shape: tuple[int, ...], mesh_shape) -> P:
-  """ZeRO's layout of an array laid out by `spec`: 'data' added after the axes of its
-  `zero_dim`, so each device keeps a 1/data slice of the shard it had (no data moves to
-  make it); `spec` itself when there is no such dimension."""
-  d = zero_dim(spec, shape, mesh_shape)
-  if d is None:
+  if not fits:
     return spec
-  entries = [spec[i] if i < len(spec) else None for i in range(len(shape))]
-  entries[d] = _spec_entry(spec_axes(entries[d]) + ('data',))
+  best = max(fits, key=lambda i: shape[i] // parts[i])  # the first of equals
+  entries[best] = _spec_entry(axes[best] + ('data',))
   return P(*entries)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -13,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
 from jaxllm.mesh import (check_divisible, logical_spec, over_data, sharding_context, spec_axes,
-                         split_micro_batches, zero_dim)
+                         split_micro_batches)
 from jaxllm.model import Transformer, sequence_positions
 from jaxllm.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
 
@@ -105,67 +104,6 @@ def zero_specs(params):
                       nnx.get_partition_spec(params), params)
 
 
-class DataScatter:
-  """ZeRO-2's reduce-scatter of gradients over data, inside a shard_map manual over data.
-
-  Each device keeps the 1/data slice of its shard that `over_data` gives it: the split
-  dimension is viewed as [parts, rest] (parts: its shards over the other axes) and rest is
-  scattered, so the slices sit inside the shards as the moments' do.
-  """
-
-  def __init__(self, params):
-    mesh_shape = jax.sharding.get_abstract_mesh().shape
-    self.params = params
-    self.param_specs = nnx.get_partition_spec(params)
-
-    def dim(spec, p):  # (split dimension, its parts), or () where ZeRO splits nothing
-      d = zero_dim(spec, p.shape, mesh_shape)
-      if d is None:
-        return ()
-      return d, math.prod(mesh_shape[a] for a in spec_axes(spec[d] if d < len(spec) else None))
-
-    self.dims = [dim(s, p) for s, p in zip(jax.tree.leaves(self.param_specs),
-                                           jax.tree.leaves(params))]
-
-    def view_spec(spec, dim):
-      if not dim:
-        return spec
-      entries = list(spec) + [None] * (dim[0] + 1 - len(spec))
-      return P(*entries[:dim[0] + 1], None, *entries[dim[0] + 1:])
-
-    self.specs = self.map(view_spec, self.param_specs)  # pins the sum inside the shard_map
-    self.out_specs = self.map(lambda _, dim: P(*[None] * (dim[0] + 1), 'data') if dim else P(),
-                              self.param_specs)
-
-  def map(self, f, tree):
-    """`f(leaf, dim)` over a tree shaped as the params."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([f(x, dim) for x, dim in zip(leaves, self.dims)])
-
-  def reduce(self, grads):
-    """Each device's rows' gradients -> its slice of their sum over data (fp32)."""
-    def scatter(g, dim, spec):
-      if not dim:
-        return g
-      d, parts = dim
-      g = g.astype(jnp.float32).reshape(g.shape[:d] + (parts, g.shape[d] // parts) +
-                                        g.shape[d + 1:])
-      # An all-reduce and this device's slice of it, which compilers make a reduce-scatter:
-      # psum_scatter would first gather the shards of the axes left to the compiler.
-      g = jax.lax.psum(jax.lax.with_sharding_constraint(g, spec), 'data')
-      size = g.shape[d + 1] // jax.lax.axis_size('data')
-      return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index('data') * size, size, d + 1)
-    leaves, treedef = jax.tree.flatten(grads)
-    return treedef.unflatten([scatter(g, dim, spec) for g, dim, spec in
-                              zip(leaves, self.dims, jax.tree.leaves(self.specs))])
-
-  def whole(self, grads):
-    """The shard_map's output in the params' shapes (split as the moments are)."""
-    shapes = [p.shape for p in jax.tree.leaves(self.params)]
-    leaves, treedef = jax.tree.flatten(grads)
-    return treedef.unflatten([g.reshape(shape) for g, shape in zip(leaves, shapes)])
-
-
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
                     pipeline: PipelineSpec | None = None, skip_nonfinite: bool = False,
                     zero: int = 0):
@@ -176,29 +114,27 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
   `zero` (sharding.zero): 1 reduce-scatters the summed gradients over data once per step,
   updates each device's slice of the parameters with its slice of the moments and
   all-gathers the result; 2 also keeps the gradient sum split over data, each micro-batch's
-  gradients reduce-scattered into it (`DataScatter`).
+  gradients reduce-scattered into it.
   """
   grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b, pipeline), has_aux=True)
 
-  def accumulate(params, batch, scatter: DataScatter | None = None):
-    """Summed gradients, summed loss and token count over the micro-batches, in turn; with a
-    `scatter`, each micro-batch's gradients are reduce-scattered before they are added."""
-    reduce = scatter.reduce if scatter else lambda grads: grads
-    specs = scatter.specs if scatter else nnx.get_partition_spec(params)
+  def accumulate(params, batch, micro_grads=grad_fn, specs=None):
+    """Summed gradients, summed loss and token count over the micro-batches, in turn:
+    `micro_grads(params, micro_batch)` each, kept in `specs`' layout (the params')."""
+    specs = nnx.get_partition_spec(params) if specs is None else specs
     pin = lambda g: jax.lax.with_sharding_constraint(g, specs)
     if micro_batches == 1:
-      (loss_sum, tokens), grads = grad_fn(params, batch)
-      return pin(reduce(grads)), loss_sum, tokens
+      (loss_sum, tokens), grads = micro_grads(params, batch)
+      return pin(grads), loss_sum, tokens
 
     def add_micro_batch(carry, micro_batch):
       grads, loss_sum, tokens = carry
-      (mb_loss, mb_tokens), mb_grads = grad_fn(params, micro_batch)
-      grads = pin(jax.tree.map(jnp.add, grads, reduce(mb_grads)))
+      (mb_loss, mb_tokens), mb_grads = micro_grads(params, micro_batch)
+      grads = pin(jax.tree.map(jnp.add, grads, mb_grads))
       return (grads, loss_sum + mb_loss, tokens + mb_tokens), None
 
     # fp32 whatever the parameters' dtype: bf16 sums of many micro-batches lose the small ones
-    zeros = pin(jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32),
-                             jax.eval_shape(reduce, params)))
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     micro = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
     carry, _ = jax.lax.scan(add_micro_batch, (zeros, jnp.float32(0), jnp.float32(0)), micro)
     return carry
@@ -212,31 +148,28 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     axes = replicated_batch_axes(params)
     if not axes:
       return accumulate(params, batch)
-    if zero == 2 and 'data' in axes:
-      return scattered_gradients(params, batch, axes)
+    if zero == 2 and micro_batches > 1 and 'data' in axes:
+      return split_sum(params, batch, axes)
     summed = lambda params, batch: jax.lax.psum(accumulate(params, batch), axes)
     return jax.shard_map(summed, in_specs=(P(), P(axes)), out_specs=P(), axis_names=set(axes),
                          check_vma=False)(params, batch)
 
-  def scattered_gradients(params, batch, axes):
-    """ZeRO-2's `gradients`: the fp32 sum kept split over data as the moments are, each
-    micro-batch's gradients reduce-scattered into it."""
-    scatter = DataScatter(params)
-    rest = tuple(a for a in axes if a != 'data')
+  def split_sum(params, batch, axes):
+    """ZeRO-2's `gradients`: the fp32 sum split over data as the moments are, each
+    micro-batch's gradients all-reduced over the batch axes and sliced into it, which the
+    compilers make a reduce-scatter. (A psum_scatter inside the shard_map would first gather
+    the shards of the axes left to the compiler.)"""
+    param_specs = nnx.get_partition_spec(params)
 
-    def summed(params, batch):
-      grads, loss_sum, tokens = accumulate(params, batch, scatter)
-      def finish(g, dim):  # a leaf ZeRO does not split (no dimension divides): as without it
-        left = rest if dim else axes
-        return jax.lax.psum(g, left) if left else g
+    def summed(params, micro_batch):
+      (loss_sum, tokens), grads = grad_fn(params, micro_batch)
+      grads = jax.lax.with_sharding_constraint(grads, param_specs)
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+      return jax.lax.psum(((loss_sum, tokens), grads), axes)
 
-      grads = scatter.map(finish, grads)
-      return grads, jax.lax.psum(loss_sum, axes), jax.lax.psum(tokens, axes)
-
-    grads, loss_sum, tokens = jax.shard_map(
-        summed, in_specs=(P(), P(axes)), out_specs=(scatter.out_specs, P(), P()),
-        axis_names=set(axes), check_vma=False)(params, batch)
-    return scatter.whole(grads), loss_sum, tokens
+    micro_grads = jax.shard_map(summed, in_specs=(P(), P(axes)), out_specs=P(),
+                                axis_names=set(axes), check_vma=False)
+    return accumulate(params, batch, micro_grads, zero_specs(params))
 
   def train_step(state: TrainState, batch):
     # Pinned to the moments' layout, the all-reduce of the sums becomes a reduce-scatter,
