@@ -250,7 +250,7 @@ def memory(c: Compiled) -> dict[str, float]:
   """Per-device bytes: state from its shardings, the rest from the compiler's buffer
   assignment."""
   gradients = c.state_bytes['params']  # as the params; held among the temporaries
-  if c.cfg.sharding.zero == 2:  # the sum split as the moments are
+  if c.cfg.sharding.zero == 2 and c.cfg.train.micro_batches > 1:  # split as the moments are
     gradients -= c.zero_split_bytes * (1 - 1 / c.mesh_shape['data'])
   return {'params': c.state_bytes['params'], 'optimizer': c.state_bytes['optimizer'],
           'gradients': gradients,

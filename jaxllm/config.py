@@ -124,8 +124,8 @@ def default_config() -> ConfigDict:
   # data as well: the gradients' all-reduce becomes a reduce-scatter, each device updates its
   # slice of the parameters and the slices are all-gathered (the same bytes as the
   # all-reduce); 2 the fp32 gradient sum too, each micro-batch's gradients reduce-scattered
-  # into it (train.micro_batches times the reduce-scatter traffic; with one micro-batch, the
-  # traffic of 1). Parameters stay whole over data. Means nothing when mesh.data=1.
+  # into it (train.micro_batches times the reduce-scatter traffic; with one micro-batch, 1's
+  # program). Parameters stay whole over data. Means nothing when mesh.data=1.
   c.sharding.zero = 0
 
   # Used when mesh.pipe > 1: the layer stack is split into mesh.pipe stages.

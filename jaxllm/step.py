@@ -144,7 +144,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     parameters (data), each device accumulates its own rows' gradients in fp32, and the sums
     are all-reduced once, after the last micro-batch: left to the compiler, they would be
     all-reduced per micro-batch (on GPUs in bf16, before the cast to fp32). fsdp and tensor
-    stay with the compiler inside."""
+    stay with the compiler inside. ZeRO-2 reduces per micro-batch on purpose: `split_sum`."""
     axes = replicated_batch_axes(params)
     if not axes:
       return accumulate(params, batch)

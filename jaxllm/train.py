@@ -155,8 +155,10 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | 
       f'{t.global_batch * cfg.data.seq_len:,} tokens/step; {t.global_batch // shards} sequences '
       f'per data×fsdp shard ({shards} shards); {t.micro_batches} micro-batch(es) of {micro} '
       f'({micro // shards} per shard)',
-      f'compute  {m.dtype} (params {m.param_dtype}, moments {cfg.optim.state_dtype}), '
-      f'attention {m.attention}, remat {m.remat}']
+      f'compute  {m.dtype} (params {m.param_dtype}, moments {cfg.optim.state_dtype}'
+      + (f' split over data, ZeRO-{cfg.sharding.zero}'
+         if cfg.sharding.zero and mesh.shape['data'] > 1 else '')
+      + f'), attention {m.attention}, remat {m.remat}']
   if isinstance(batches, Streams):
     lines.append(f'data     read as {batches.streams} stream(s) of '
                  f'{t.global_batch // batches.streams} rows per batch (data.streams)')
