@@ -127,6 +127,7 @@ ZERO_RUNS = {  # mesh, micro-batches, sharding.zero
     'data2_fsdp2_tensor2_micro2': (dict(data=2, fsdp=2, tensor=2), 2, 1),
     'data4_fsdp2_zero2': (dict(data=4, fsdp=2), 1, 2),
     'data2_fsdp2_tensor2_micro2_zero2': (dict(data=2, fsdp=2, tensor=2), 2, 2),
+    'data2_pipe2_tensor2': (dict(data=2, pipe=2, tensor=2), 1, 1),
 }
 
 
