@@ -33,7 +33,7 @@ from jaxllm.config import (MESH_AXES, ConfigError, main_guard, parse_command_lin
                            resolve_mesh, validate)
 from jaxllm.hardware import (PROFILES, Hardware, axes_across_nodes, hardware_profile,
                              usable_memory)
-from jaxllm.mesh import batch_sharding, make_mesh, sharding_context, spec_axes
+from jaxllm.mesh import batch_sharding, make_mesh, over_data, sharding_context, spec_axes
 from jaxllm.model import available_attention
 from jaxllm.optim import lr_schedule, make_optimizer
 from jaxllm.pipeline import PipelineSpec, pipeline_spec
@@ -70,6 +70,7 @@ class Compiled:
   fsdp_split_bytes: int        # per device: of the params, those split over fsdp
   head_split_bytes: int        # of those, the output head's (the embedding table when tied)
   block_split_bytes: int       # of those, the layer stack's
+  zero_split_bytes: int        # per device: of the params, those whose update ZeRO splits over data
   executable: jax.stages.Compiled
   device: jax.Device           # one of the devices it was compiled for (their kind, platform)
 
@@ -102,7 +103,7 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
   pipeline = pipeline_spec(cfg, mesh_shape['pipe'])
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   graphdef, abstract, shardings = state_shapes(cfg.model, tx, mesh, cfg.sharding.rules,
-                                               cfg.train.seed, pipeline)
+                                               cfg.train.seed, pipeline, cfg.sharding.zero)
   state = restore_target(abstract, shardings)
   rows = (cfg.train.global_batch, cfg.data.seq_len)
   sharding = batch_sharding(mesh, cfg.sharding.rules, 2)
@@ -112,7 +113,8 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
   if cfg.data.packing and cfg.data.source == 'files':
     batch['segment_ids'] = ints
   step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
-                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite)
+                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite,
+                         cfg.sharding.zero)
   try:
     with sharding_context(mesh, cfg.sharding.rules), lowering_for(devices):
       lowered = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None)).lower(
@@ -127,10 +129,13 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
   executable = lowered.compile(COMPILE_OPTIONS)
   split = lambda xs: shard_bytes([x for x in xs if 'fsdp' in spec_axes_of(x.sharding)])
   head = state.params['embed_VD' if cfg.model.tie_embeddings else 'head_DV']
+  zero_split = [x for x in jax.tree.leaves(state.params) if cfg.sharding.zero and
+                over_data(x.sharding.spec, x.shape, mesh.shape) != x.sharding.spec]
   return Compiled(cfg, mesh_shape, pipeline,
                   {'params': shard_bytes(state.params), 'optimizer': shard_bytes(state.opt_state)},
                   shard_bytes([head]), split(jax.tree.leaves(state.params)), split([head]),
-                  split(jax.tree.leaves(state.params['blocks'])), executable, devices[0])
+                  split(jax.tree.leaves(state.params['blocks'])), shard_bytes(zero_split),
+                  executable, devices[0])
 
 
 def spec_axes_of(sharding) -> set[str]:
@@ -142,7 +147,11 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
 
   Weights move in the compute dtype, gradients in model.grad_reduce_dtype (`g·` below scales
   parameter bytes to it; `a·` to the compute dtype).
-  data: a ring all-reduce of the gradients, 2(N−1)/N·g·P, once per step.
+  data: a ring all-reduce of the gradients, 2(N−1)/N·g·P, once per step. Under ZeRO the
+    gradients of the parameters whose update it splits (Z of P) are reduce-scattered and the
+    updated parameters all-gathered instead, (N−1)/N·(g + 1)·Z: the all-reduce's bytes when
+    g = 1 (the ZeRO paper's "same traffic as data parallelism"); with sharding.zero=2 the
+    reduce-scatter runs per micro-batch, (N−1)/N·(M·g + 1)·Z.
   fsdp, per micro-batch: the layers' weights all-gathered in forward and backward and their
     gradients reduce-scattered, (N−1)/N·(2a + g)·P; the output head gathered once (the loss
     takes its gradients as it goes) and reduced, (N−1)/N·(a + g)·P; under a pipeline with
@@ -172,7 +181,9 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   expected = {}
   n = shape['data']
   if n > 1:
-    expected[('data',)] = 2 * (n - 1) / n * g * params
+    split = c.zero_split_bytes
+    scatters = t.micro_batches if cfg.sharding.zero == 2 else 1
+    expected[('data',)] = (n - 1) / n * (2 * g * (params - split) + (scatters * g + 1) * split)
   n = shape['fsdp']
   if n > 1 and not (c.pipeline and c.pipeline.gather_weights == 'iteration'):
     # Whole bytes (before the fsdp split) of what is gathered twice and what once.
@@ -238,8 +249,11 @@ def peak_bytes(executable: jax.stages.Compiled) -> int:
 def memory(c: Compiled) -> dict[str, float]:
   """Per-device bytes: state from its shardings, the rest from the compiler's buffer
   assignment."""
+  gradients = c.state_bytes['params']  # as the params; held among the temporaries
+  if c.cfg.sharding.zero == 2 and c.cfg.train.micro_batches > 1:  # split as the moments are
+    gradients -= c.zero_split_bytes * (1 - 1 / c.mesh_shape['data'])
   return {'params': c.state_bytes['params'], 'optimizer': c.state_bytes['optimizer'],
-          'gradients': c.state_bytes['params'],  # as the params; held among the temporaries
+          'gradients': gradients,
           'temporaries': c.executable.memory_analysis().temp_size_in_bytes,
           'peak': peak_bytes(c.executable)}
 
@@ -369,7 +383,7 @@ def format_report(r: dict) -> str:
       'memory per device:',
       f'  params       {size_text(mem["params"]):>12}',
       f'  optimizer    {size_text(mem["optimizer"]):>12}',
-      f'  gradients    {size_text(mem["gradients"]):>12}   (as the params; among the temporaries)',
+      f'  gradients    {size_text(mem["gradients"]):>12}   (their sum; among the temporaries)',
       f'  temporaries  {size_text(mem["temporaries"]):>12}   (activations, gradients, workspace: '
       'the compiler\'s buffer assignment)',
       f'  peak         {size_text(mem["peak"]):>12}   {fit} the {size_text(mem["usable"])} a '

@@ -24,6 +24,7 @@ DATA_SOURCES = ('files', 'synthetic')
 DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord')
 PIPELINE_SCHEDULES = ('gpipe', 'circular')
 GATHER_MODES = ('step', 'iteration')
+ZERO_STAGES = (0, 1, 2)
 
 # Which config field sets the size of each logical parameter axis (for error messages).
 AXIS_FIELDS = {
@@ -119,6 +120,13 @@ def default_config() -> ConfigDict:
       act_mlp=('tensor',),
       act_vocab=('tensor',),
   ))))
+  # ZeRO over data, on top of what the rules split: 0 off; 1 the AdamW moments split over
+  # data as well: the gradients' all-reduce becomes a reduce-scatter, each device updates its
+  # slice of the parameters and the slices are all-gathered (the same bytes as the
+  # all-reduce); 2 the fp32 gradient sum too, each micro-batch's gradients reduce-scattered
+  # into it (train.micro_batches times the reduce-scatter traffic; with one micro-batch, 1's
+  # program). Parameters stay whole over data. Means nothing when mesh.data=1.
+  c.sharding.zero = 0
 
   # Used when mesh.pipe > 1: the layer stack is split into mesh.pipe stages.
   c.pipeline = ConfigDict(dict(
@@ -254,6 +262,9 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(m.grad_reduce_dtype, 'model.grad_reduce_dtype', DTYPES)
   _choice(cfg.optim.state_dtype, 'optim.state_dtype', DTYPES)
   _choice(cfg.data.source, 'data.source', DATA_SOURCES)
+  if cfg.sharding.zero not in ZERO_STAGES:
+    raise ConfigError(f'sharding.zero={cfg.sharding.zero!r} is unknown; use 0 (off), 1 (optimizer '
+                      'state split over data) or 2 (and the gradient sum).')
   _choice(cfg.data.format, 'data.format', DATA_FORMATS)
   if cfg.cpu_devices < 0:
     raise ConfigError(f'cpu_devices={cfg.cpu_devices} must be at least 0 (0: JAX\'s default).')

@@ -106,6 +106,25 @@ def flax_rules(rules) -> tuple:
   return tuple((name, _spec_entry(spec_axes(axes))) for name, axes in rules.items())
 
 
+def over_data(spec: P, shape: tuple[int, ...], mesh_shape) -> P:
+  """ZeRO's layout of an array laid out by `spec`: 'data' added after the axes of the
+  dimension with the largest shard that still splits evenly, so each device keeps a 1/data
+  slice of the shard it had (no data moves to make it). `spec` itself when data is one
+  device, is already in it, or no dimension divides."""
+  n = mesh_shape['data']
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  axes = [spec_axes(e) for e in entries]
+  if n == 1 or any('data' in a for a in axes):
+    return spec
+  parts = [math.prod(mesh_shape[a] for a in dim_axes) for dim_axes in axes]
+  fits = [i for i, d in enumerate(shape) if d % (parts[i] * n) == 0]
+  if not fits:
+    return spec
+  best = max(fits, key=lambda i: shape[i] // parts[i])  # the first of equals
+  entries[best] = _spec_entry(axes[best] + ('data',))
+  return P(*entries)
+
+
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
   """Pins an activation's layout by logical axis names (a hint to the compiler)."""
   return jax.lax.with_sharding_constraint(x, logical_spec(*names))

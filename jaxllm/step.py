@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import ConfigDict
 
-from jaxllm.mesh import (check_divisible, logical_spec, sharding_context, spec_axes,
+from jaxllm.mesh import (check_divisible, logical_spec, over_data, sharding_context, spec_axes,
                          split_micro_batches)
 from jaxllm.model import Transformer, sequence_positions
 from jaxllm.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
@@ -20,7 +20,8 @@ from jaxllm.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_s
 class TrainState(NamedTuple):
   step: jax.Array        # optimizer steps taken
   params: nnx.State      # master weights (model.param_dtype), sharded by the rules
-  opt_state: Any         # optax state; moments (optim.state_dtype) carry the params' shardings
+  opt_state: Any         # optax state; moments (optim.state_dtype) carry the params' shardings,
+                         # split over data as well under ZeRO (sharding.zero ≥ 1, `over_data`)
 
 
 def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: int,
@@ -34,10 +35,11 @@ def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: in
 
 
 def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules,
-                 seed: int = 0, pipeline: PipelineSpec | None = None):
+                 seed: int = 0, pipeline: PipelineSpec | None = None, zero: int = 0):
   """The train state as shapes and shardings only: nothing is allocated.
 
   Returns the model's graphdef (its static structure), the abstract state and its shardings.
+  With `zero` ≥ 1 (sharding.zero) the optimizer state is split over data too.
   Raises ConfigError when a sharded dimension does not split evenly over its mesh axes.
   """
   with sharding_context(mesh, rules):
@@ -45,16 +47,21 @@ def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, 
         nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     check_divisible(abstract_params, mesh)
     abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed, pipeline))
-    return graphdef, abstract, nnx.get_named_sharding(abstract, mesh)
+    shardings = nnx.get_named_sharding(abstract, mesh)
+  if zero:
+    shardings = shardings._replace(opt_state=jax.tree.map(
+        lambda a, s: NamedSharding(mesh, over_data(s.spec, a.shape, mesh.shape)),
+        abstract.opt_state, shardings.opt_state))
+  return graphdef, abstract, shardings
 
 
 def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules, seed: int,
-               pipeline: PipelineSpec | None = None):
+               pipeline: PipelineSpec | None = None, zero: int = 0):
   """Creates the train state already sharded (inside jit), never whole on one device.
 
   Under a circular pipeline the blocks are stored stage-major (see `jaxllm.pipeline`).
   """
-  graphdef, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed, pipeline)
+  graphdef, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed, pipeline, zero)
   with sharding_context(mesh, rules):
     state = jax.jit(_create_fn(model_cfg, tx, seed, pipeline), out_shardings=shardings)()
   return graphdef, state, shardings
@@ -90,26 +97,39 @@ def replicated_batch_axes(params) -> tuple[str, ...]:
                if mesh.shape[a] > 1 and a not in param_axes)
 
 
+def zero_specs(params):
+  """The params' PartitionSpecs split over data as ZeRO splits the optimizer state."""
+  mesh_shape = jax.sharding.get_abstract_mesh().shape
+  return jax.tree.map(lambda spec, p: over_data(spec, p.shape, mesh_shape),
+                      nnx.get_partition_spec(params), params)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
-                    pipeline: PipelineSpec | None = None, skip_nonfinite: bool = False):
+                    pipeline: PipelineSpec | None = None, skip_nonfinite: bool = False,
+                    zero: int = 0):
   """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch.
 
   With `skip_nonfinite`, a step whose loss or gradients are not finite leaves params and
   optimizer state as they were (the step count still advances, as does the data).
+  `zero` (sharding.zero): 1 reduce-scatters the summed gradients over data once per step,
+  updates each device's slice of the parameters with its slice of the moments and
+  all-gathers the result; 2 also keeps the gradient sum split over data, each micro-batch's
+  gradients reduce-scattered into it.
   """
   grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b, pipeline), has_aux=True)
 
-  def accumulate(params, batch):
-    """Summed gradients, summed loss and token count over the micro-batches, in turn."""
-    param_specs = nnx.get_partition_spec(params)
-    pin = lambda g: jax.lax.with_sharding_constraint(g, param_specs)
+  def accumulate(params, batch, micro_grads=grad_fn, specs=None):
+    """Summed gradients, summed loss and token count over the micro-batches, in turn:
+    `micro_grads(params, micro_batch)` each, kept in `specs`' layout (the params')."""
+    specs = nnx.get_partition_spec(params) if specs is None else specs
+    pin = lambda g: jax.lax.with_sharding_constraint(g, specs)
     if micro_batches == 1:
-      (loss_sum, tokens), grads = grad_fn(params, batch)
+      (loss_sum, tokens), grads = micro_grads(params, batch)
       return pin(grads), loss_sum, tokens
 
     def add_micro_batch(carry, micro_batch):
       grads, loss_sum, tokens = carry
-      (mb_loss, mb_tokens), mb_grads = grad_fn(params, micro_batch)
+      (mb_loss, mb_tokens), mb_grads = micro_grads(params, micro_batch)
       grads = pin(jax.tree.map(jnp.add, grads, mb_grads))
       return (grads, loss_sum + mb_loss, tokens + mb_tokens), None
 
@@ -124,20 +144,43 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     parameters (data), each device accumulates its own rows' gradients in fp32, and the sums
     are all-reduced once, after the last micro-batch: left to the compiler, they would be
     all-reduced per micro-batch (on GPUs in bf16, before the cast to fp32). fsdp and tensor
-    stay with the compiler inside."""
+    stay with the compiler inside. ZeRO-2 reduces per micro-batch on purpose: `split_sum`."""
     axes = replicated_batch_axes(params)
     if not axes:
       return accumulate(params, batch)
+    if zero == 2 and micro_batches > 1 and 'data' in axes:
+      return split_sum(params, batch, axes)
     summed = lambda params, batch: jax.lax.psum(accumulate(params, batch), axes)
     return jax.shard_map(summed, in_specs=(P(), P(axes)), out_specs=P(), axis_names=set(axes),
                          check_vma=False)(params, batch)
 
+  def split_sum(params, batch, axes):
+    """ZeRO-2's `gradients`: the fp32 sum split over data as the moments are, each
+    micro-batch's gradients all-reduced over the batch axes and sliced into it, which the
+    compilers make a reduce-scatter. (A psum_scatter inside the shard_map would first gather
+    the shards of the axes left to the compiler.)"""
+    param_specs = nnx.get_partition_spec(params)
+
+    def summed(params, micro_batch):
+      (loss_sum, tokens), grads = grad_fn(params, micro_batch)
+      grads = jax.lax.with_sharding_constraint(grads, param_specs)
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+      return jax.lax.psum(((loss_sum, tokens), grads), axes)
+
+    micro_grads = jax.shard_map(summed, in_specs=(P(), P(axes)), out_specs=P(),
+                                axis_names=set(axes), check_vma=False)
+    return accumulate(params, batch, micro_grads, zero_specs(params))
+
   def train_step(state: TrainState, batch):
+    # Pinned to the moments' layout, the all-reduce of the sums becomes a reduce-scatter,
+    # the update runs on each device's slice, and the new parameters are all-gathered.
+    to_split = (lambda tree: jax.lax.with_sharding_constraint(tree, zero_specs(state.params))
+                ) if zero else (lambda tree: tree)
     grads, loss_sum, tokens = gradients(state.params, batch)
     tokens = jnp.maximum(tokens, 1.0)
-    grads = jax.tree.map(lambda g: g / tokens, grads)
+    grads = to_split(jax.tree.map(lambda g: g / tokens, grads))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = optax.apply_updates(state.params, to_split(updates))
     loss, grad_norm = loss_sum / tokens, optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:

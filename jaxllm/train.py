@@ -64,6 +64,9 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
       print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
             f"{platform} devices; using 'xla' attention.")
     cfg.model.attention = available_attention(cfg.model, platform)
+  if cfg.sharding.zero and mesh_shape['data'] == 1 and metrics.is_logging_process():
+    print(f'note: sharding.zero={cfg.sharding.zero} splits over the data axis, but mesh.data=1: '
+          'nothing is split.')
   mesh = make_mesh(mesh_shape, devices, cfg.mesh.across_hosts)
   batches = make_batches(cfg, mesh)
   eval_batches = make_eval_batches(cfg, mesh) if cfg.eval.every else None
@@ -71,13 +74,14 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   pipeline = pipeline_spec(cfg, mesh_shape['pipe'])
   # Shapes first: they check the model against the mesh before anything touches the disk.
   graphdef, abstract, shardings = state_shapes(cfg.model, tx, mesh, cfg.sharding.rules,
-                                               cfg.train.seed, pipeline)
+                                               cfg.train.seed, pipeline, cfg.sharding.zero)
   ckpt_dir = cfg.checkpoint.dir or (workdir and os.path.join(workdir, 'checkpoints'))
   checkpoints = Checkpoints(ckpt_dir, cfg.checkpoint) if ckpt_dir else None
   state, origin = _initial_state(cfg, mesh, tx, pipeline, abstract, shardings, checkpoints,
                                  batches)
   step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
-                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite)
+                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite,
+                         cfg.sharding.zero)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
   return Run(cfg, mesh, graphdef, state, origin, train_step, batches, eval_batches, pipeline,
              checkpoints)
@@ -112,7 +116,8 @@ def _initial_state(cfg: ConfigDict, mesh, tx, pipeline: PipelineSpec | None, abs
 
       state = jax.jit(fresh_optimizer, out_shardings=shardings)(params)
       return state, f'parameters from {cfg.init_from}, fresh optimizer state'
-  _, state, _ = init_state(cfg.model, tx, mesh, rules, cfg.train.seed, pipeline)
+  _, state, _ = init_state(cfg.model, tx, mesh, rules, cfg.train.seed, pipeline,
+                           cfg.sharding.zero)
   return state, f'initialised from train.seed={cfg.train.seed}'
 
 
@@ -150,8 +155,10 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | 
       f'{t.global_batch * cfg.data.seq_len:,} tokens/step; {t.global_batch // shards} sequences '
       f'per data×fsdp shard ({shards} shards); {t.micro_batches} micro-batch(es) of {micro} '
       f'({micro // shards} per shard)',
-      f'compute  {m.dtype} (params {m.param_dtype}, moments {cfg.optim.state_dtype}), '
-      f'attention {m.attention}, remat {m.remat}']
+      f'compute  {m.dtype} (params {m.param_dtype}, moments {cfg.optim.state_dtype}'
+      + (f' split over data, ZeRO-{cfg.sharding.zero}'
+         if cfg.sharding.zero and mesh.shape['data'] > 1 else '')
+      + f'), attention {m.attention}, remat {m.remat}']
   if isinstance(batches, Streams):
     lines.append(f'data     read as {batches.streams} stream(s) of '
                  f'{t.global_batch // batches.streams} rows per batch (data.streams)')

@@ -63,7 +63,7 @@ def state_fits(c: ConfigDict, hardware: Hardware, devices) -> bool:
   mesh = make_mesh(dict(c.mesh), devices)
   tx = make_optimizer(c.optim, c.train.steps)
   _, abstract, shardings = state_shapes(c.model, tx, mesh, c.sharding.rules, c.train.seed,
-                                        pipeline_spec(c, c.mesh.pipe))
+                                        pipeline_spec(c, c.mesh.pipe), c.sharding.zero)
   state = restore_target(abstract, shardings)
   return analyze.shard_bytes(state) <= usable_memory(hardware)[0]
 

@@ -12,8 +12,8 @@ from absl import flags
 from conftest import data_reductions, run_cli, small_config
 from jaxllm import analyze as analyze_cli
 from jaxllm import backends, hlo, tune
+from jaxllm.analyze import analyze, collective_table, compile_step, expected_bytes, memory
 from jaxllm.config import ConfigError
-from jaxllm.analyze import analyze, compile_step, expected_bytes
 from jaxllm.hardware import PROFILES, axes_across_nodes
 from jaxllm.tune import factorisations, measure, rank
 
@@ -289,3 +289,58 @@ def test_tune_says_when_nothing_fits():
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and 'no mesh of 8 devices fits' in lines[0], result.stderr
+
+
+def test_zero_reduce_scatters_gradients_and_gathers_params_over_data():
+  """The CPU compiler's program (the GPU's: test_gpu_program) on data=4 × fsdp=2: ZeRO-1
+  turns the gradients' one all-reduce over data into reduce-scatters and all-gathers of the
+  updated params, moving the same bytes, as `expected_bytes` says."""
+  compiled = {}
+  for zero in (0, 1):
+    cfg = comm_config(data=4, fsdp=2)
+    cfg.model.num_layers = 2
+    cfg.sharding.zero = zero
+    compiled[zero] = compile_step(cfg)
+  over_data = {zero: [x for x in hlo.collectives(c.text, c.mesh_shape, cpu=True)
+                      if 'data' in x.axes] for zero, c in compiled.items()}
+  assert [(x.kind, x.axes) for x in over_data[0]] == [('all-reduce', ('data',))]
+  # Gradients and params move as reduce-scatters and all-gathers; what is still all-reduced
+  # are scalars: the pieces of the gradient norm, and the step's loss and token count.
+  moved = {(x.kind, x.axes) for x in over_data[1] if x.kind != 'all-reduce'}
+  assert moved == {('reduce-scatter', ('data',)), ('all-gather', ('data',))}
+  assert max(x.bytes_per_call for x in over_data[1] if x.kind == 'all-reduce') < 32
+  split = compiled[1].zero_split_bytes
+  assert split == compiled[1].state_bytes['params']  # every parameter's update is split
+  for kind in ('reduce-scatter', 'all-gather'):
+    assert sum(x.bytes for x in over_data[1] if x.kind == kind) == pytest.approx(3 / 4 * split)
+  total = {zero: sum(x.bytes for x in xs) for zero, xs in over_data.items()}
+  assert total[1] == pytest.approx(total[0], rel=1e-3)
+  assert expected_bytes(compiled[1])[('data',)] == expected_bytes(compiled[0])[('data',)]
+  assert expected_bytes(compiled[1])[('data',)] == pytest.approx(total[1], rel=1e-3)
+
+
+def test_zero2_reduce_scatters_each_micro_batch_into_a_split_sum():
+  """sharding.zero=2 with 2 micro-batches on data=4 × fsdp=2 (CPU compiler): the gradients
+  are reduce-scattered over data once per micro-batch, inside the accumulation loop, the
+  params all-gathered once; the gradient sum per device is a quarter of the params."""
+  compiled = {}
+  for zero in (1, 2):
+    cfg = comm_config(data=4, fsdp=2)
+    cfg.model.num_layers = 2
+    cfg.train.micro_batches = 2
+    cfg.sharding.zero = zero
+    compiled[zero] = compile_step(cfg)
+  moved = {zero: [x for x in hlo.collectives(c.text, c.mesh_shape, cpu=True)
+                  if x.axes == ('data',) and x.kind != 'all-reduce']
+           for zero, c in compiled.items()}
+  split = compiled[2].zero_split_bytes
+  for zero, scatters in ((1, 1), (2, 2)):
+    assert {(x.kind, x.count) for x in moved[zero]} == {('reduce-scatter', scatters),
+                                                       ('all-gather', 1)}
+    assert sum(x.bytes for x in moved[zero] if x.kind == 'reduce-scatter') == pytest.approx(
+        scatters * 3 / 4 * split)
+    data = next(r for r in collective_table(compiled[zero], H100)[1] if r['axes'] == ['data'])
+    assert data['ratio'] == pytest.approx(1, rel=1e-3)
+  params = compiled[2].state_bytes['params']
+  assert memory(compiled[1])['gradients'] == params
+  assert memory(compiled[2])['gradients'] == params / 4

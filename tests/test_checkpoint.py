@@ -152,6 +152,27 @@ def test_restore_onto_another_mesh(mesh, saved_under_fsdp8, corpus, tmp_path):
       np.testing.assert_array_equal(got, want)
 
 
+def test_zero_restores_from_a_plain_checkpoint_and_back(saved_under_fsdp8, corpus, tmp_path):
+  """Saved under fsdp=8, resumed with ZeRO-1 on data=4 × fsdp=2 (moments read straight into
+  their slices), whose step-4 checkpoint reads back on one device without ZeRO: params and
+  moments equal, and step 4's loss is that of going on under fsdp=8."""
+  saved_dir, saved_params, want_loss = saved_under_fsdp8
+  cfg = text_config(corpus, data=4, fsdp=2)
+  cfg.sharding.zero = 1
+  restored, _, _, loss, state = continue_one_step(cfg, saved_dir, tmp_path / 'zero')
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved_params)):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  wq = state.opt_state[1][0].mu['blocks']['attn']['wq_DNH'][...]
+  assert wq.sharding.spec == jax.P('pipe', ('fsdp', 'data'), 'tensor', None)
+
+  run = setup(text_config(corpus), jax.devices()[:1], str(tmp_path / 'zero'))
+  assert int(run.state.step) == 4
+  for got, want in zip(jax.tree.leaves(jax.device_get(run.state)), jax.tree.leaves(
+      jax.device_get(state))):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(corpus, tmp_path, capsys):
   cfg = text_config(corpus)
   cfg.train.steps, cfg.checkpoint.every = 8, 4

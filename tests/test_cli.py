@@ -77,6 +77,7 @@ BAD_INPUTS = {
                          'distributed.coordinator_address'),
     'across_hosts': (['--config.mesh.across_hosts=data,hosts'], 'mesh.across_hosts'),
     'streams_vs_batch': (['--config.data.streams=3'], 'data.streams'),
+    'zero_stage': (['--config.sharding.zero=3'], 'sharding.zero'),
 }
 
 

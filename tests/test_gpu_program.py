@@ -261,6 +261,48 @@ def test_gradients_cross_the_data_axis_once_per_step(tiny_program, tiny_accumula
   assert sum(c.bytes for c in four) == pytest.approx(sum(c.bytes for c in one), rel=1e-3)
 
 
+def test_zero_reduce_scatters_gradients_and_gathers_params_over_data(tiny_program, h100s):
+  """tiny_program (data=2) with sharding.zero=1: over data, the one fp32 all-reduce of the
+  gradients becomes one reduce-scatter of them and all-gathers of the updated params, half
+  the bytes each; the optimizer state per device halves, the params' does not."""
+  cfg = tiny()
+  cfg.sharding.zero = 1
+  zero = compile_step(cfg, h100s)
+  over_data = lambda c: [x for x in hlo.collectives(c.text, c.mesh_shape, cpu=False)
+                         if x.axes == ('data',)]
+  params = tiny_program.state_bytes['params']
+  assert [(x.kind, x.dtype, x.count) for x in over_data(tiny_program)] == [('all-reduce', 'f32', 1)]
+  assert over_data(tiny_program)[0].bytes == pytest.approx(params, rel=1e-3)
+  # What zero still all-reduces over data are the scalars of the gradient norm.
+  moved = [(x.kind, x.dtype, x.count) for x in over_data(zero) if x.bytes_per_call > 32]
+  assert sorted(set(moved)) == [('all-gather', 'f32', 1), ('reduce-scatter', 'f32', 1)]
+  assert moved.count(('reduce-scatter', 'f32', 1)) == 1
+  for kind in ('reduce-scatter', 'all-gather'):
+    assert sum(x.bytes for x in over_data(zero) if x.kind == kind) == pytest.approx(
+        params / 2, rel=1e-3)
+  assert zero.state_bytes['params'] == params
+  counts = 8  # the optimizer's two int32 step counts, on every device
+  assert zero.state_bytes['optimizer'] - counts == (
+      tiny_program.state_bytes['optimizer'] - counts) // 2
+
+
+def test_zero2_reduce_scatters_every_micro_batch(tiny_accumulating, h100s):
+  """tiny_accumulating (4 micro-batches) with sharding.zero=2: the gradients are
+  reduce-scattered over data once per micro-batch into a sum split as the moments are (where
+  without ZeRO they are all-reduced once); the params are all-gathered once."""
+  cfg = tiny()
+  cfg.train.micro_batches = 4
+  cfg.sharding.zero = 2
+  zero = compile_step(cfg, h100s)
+  over_data = lambda c: [(x.kind, x.dtype, x.count) for x in hlo.collectives(
+      c.text, c.mesh_shape, cpu=False) if x.axes == ('data',) and x.bytes_per_call > 32]
+  assert over_data(tiny_accumulating) == [('all-reduce', 'f32', 1)]
+  assert sorted(set(over_data(zero))) == [('all-gather', 'f32', 1), ('reduce-scatter', 'f32', 4)]
+  scattered = sum(x.bytes for x in hlo.collectives(zero.text, zero.mesh_shape, cpu=False)
+                  if x.axes == ('data',) and x.kind == 'reduce-scatter')
+  assert scattered == pytest.approx(4 * zero.state_bytes['params'] / 2, rel=1e-3)
+
+
 def test_memory_verdict_is_what_a_process_may_use(monkeypatch, one_b_program):
   """The whole batch (48 rows) at once needs more than JAX lets a process take of an H100 by
   default (75%), though less than the card: it does not fit, unless XLA_PYTHON_CLIENT_MEM_FRACTION

@@ -1,6 +1,7 @@
 """Any mesh trains like one device; the sharding it claims is the sharding it has."""
 
 import collections
+import math
 
 import jax
 import numpy as np
@@ -165,3 +166,64 @@ def test_tensor_splits_heads_and_hidden_units():
   assert _shard_shapes(blocks['attn']['wo_NHD'][...]) == {(4, 8 // 4, 8, 64)}
   assert _shard_shapes(blocks['mlp']['w_up_DF'][...]) == {(4, 64, 128 // 4)}
   assert _shard_shapes(blocks['mlp']['w_down_FD'][...]) == {(4, 128 // 4, 64)}
+
+
+ZERO_RUNS = {  # mesh, micro-batches, sharding.zero
+    'data4_fsdp2': (dict(data=4, fsdp=2), 1, 1),
+    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), 1, 1),
+    'data2_fsdp2_tensor2_micro2': (dict(data=2, fsdp=2, tensor=2), 2, 1),
+    'data4_fsdp2_zero2': (dict(data=4, fsdp=2), 1, 2),
+    'data2_fsdp2_tensor2_micro2_zero2': (dict(data=2, fsdp=2, tensor=2), 2, 2),
+    'data2_pipe2_tensor2': (dict(data=2, pipe=2, tensor=2), 1, 1),
+}
+
+
+@pytest.mark.parametrize('mesh, micro_batches, zero', ZERO_RUNS.values(), ids=ZERO_RUNS.keys())
+def test_zero_trains_like_one_device(mesh, micro_batches, zero, corpus, one_device_run):
+  ref_params, ref_losses = one_device_run
+  cfg = text_config(corpus, **mesh)
+  cfg.train.micro_batches = micro_batches
+  cfg.sharding.zero = zero
+  state, history = train(cfg)
+  np.testing.assert_allclose([row['loss'] for row in history], ref_losses, rtol=1e-5)
+  assert_params_close(jax.device_get(state.params), ref_params)
+
+
+def _per_device_bytes(tree) -> int:
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def test_zero_splits_the_moments_over_data_not_the_params():
+  """data=4 × fsdp=2, read from the arrays' own shardings: ZeRO-1 keeps a quarter of each
+  moment per device (every one has a dimension that splits 4 ways more); the params, and the
+  optimizer's step counts, stay as they were."""
+  states = {}
+  for zero in (0, 1):
+    cfg = small_config(data=4, fsdp=2)
+    cfg.model.num_layers = 2
+    cfg.sharding.zero = zero
+    states[zero] = setup(cfg).state
+  moments = lambda state: (state.opt_state[1][0].mu, state.opt_state[1][0].nu)
+  counts = lambda state: (state.opt_state[1][0].count, state.opt_state[1][2].count)
+  plain, zero = states[0], states[1]
+  assert _per_device_bytes(zero.params) == _per_device_bytes(plain.params)
+  assert _per_device_bytes(moments(zero)) * 4 == _per_device_bytes(moments(plain))
+  assert _per_device_bytes(zero.opt_state) == (
+      _per_device_bytes(moments(plain)) // 4 + _per_device_bytes(counts(plain)))
+  # [L, D, N, H]: D, the largest shard, split over fsdp and then data
+  wq = zero.opt_state[1][0].mu['blocks']['attn']['wq_DNH'][...]
+  assert wq.sharding.spec == jax.P('pipe', ('fsdp', 'data'), 'tensor', None)
+  assert wq.sharding.shard_shape(wq.shape) == (2, 64 // (2 * 4), 8, 8)
+  wq = zero.params['blocks']['attn']['wq_DNH'][...]
+  assert wq.sharding.shard_shape(wq.shape) == (2, 64 // 2, 8, 8)
+
+
+def test_zero_without_a_data_axis_is_a_note(capsys):
+  """Nothing to split: the run says so and goes on with the state it would have had."""
+  cfg = small_config(fsdp=2)
+  cfg.sharding.zero = 1
+  run = setup(cfg, jax.devices()[:2])
+  assert 'note: sharding.zero=1 splits over the data axis, but mesh.data=1' in capsys.readouterr().out
+  mu = run.state.opt_state[1][0].mu['embed_VD'][...]
+  assert mu.sharding.spec == jax.P('tensor', 'fsdp')
