@@ -180,12 +180,13 @@ ZERO_RUNS = {  # mesh, micro-batches, sharding.zero
 
 @pytest.mark.parametrize('mesh, micro_batches, zero', ZERO_RUNS.values(), ids=ZERO_RUNS.keys())
 def test_zero_trains_like_one_device(mesh, micro_batches, zero, corpus, one_device_run):
-  ref_params, ref_losses = one_device_run
+  ref_params, ref_losses, ref_grad_norms = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.train.micro_batches = micro_batches
   cfg.sharding.zero = zero
   state, history = train(cfg)
   np.testing.assert_allclose([row['loss'] for row in history], ref_losses, rtol=1e-5)
+  np.testing.assert_allclose([row['grad_norm'] for row in history], ref_grad_norms, rtol=1e-5)
   assert_params_close(jax.device_get(state.params), ref_params)
 
 
