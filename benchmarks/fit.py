@@ -64,7 +64,7 @@ def main(argv: list[str]) -> None:
   print(f'global batch {cfg.train.global_batch} × {cfg.data.seq_len} tokens on '
         f'{len(devices)} × {hardware.name}, jax {jax.__version__}')
   print('| remat | bytes per axis (ratio to analytic) | peak | recomputed FLOPs | largest '
-        'batch that fits | MFU (full / causal) |')
+        'batch that fits | predicted MFU (full / causal) |')
   print('|---|---|---:|---:|---:|---:|')
   tokens = cfg.train.global_batch * cfg.data.seq_len
   for policy in _REMAT.value:

@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
         f'{cfg.data.seq_len} tokens, {cfg.train.micro_batches} micro-batch(es); {n} × '
         f'{hardware.name}, jax {jax.__version__}')
   print('| mesh | program | params + optimizer | peak | fits | bytes per axis (ratio to '
-        'analytic) | attention | step | MFU (full / causal) |')
+        'analytic) | attention | predicted step | predicted MFU (full / causal) |')
   print('|---|---|---:|---:|---|---|---|---:|---:|')
   for mesh in meshes:
     for compiler in _COMPILERS.value:

@@ -35,9 +35,9 @@ from jaxllm.hardware import (PROFILES, Hardware, axes_across_nodes, hardware_pro
                              usable_memory)
 from jaxllm.mesh import batch_sharding, make_mesh, over_data, sharding_context, spec_axes
 from jaxllm.model import available_attention
-from jaxllm.optim import lr_schedule, make_optimizer
+from jaxllm.optim import make_optimizer
 from jaxllm.pipeline import PipelineSpec, pipeline_spec
-from jaxllm.step import make_train_step, state_shapes
+from jaxllm.step import state_shapes, train_step_for
 
 DEVICES = flags.DEFINE_integer(
     'devices', 0, 'Analyse for this many devices (default: the mesh\'s size when no axis is -1, '
@@ -112,9 +112,7 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
            'mask': jax.ShapeDtypeStruct(rows, jnp.float32, sharding=sharding)}
   if cfg.data.packing and cfg.data.source == 'files':
     batch['segment_ids'] = ints
-  step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
-                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite,
-                         cfg.sharding.zero)
+  step = train_step_for(cfg, graphdef, tx, pipeline)
   try:
     with sharding_context(mesh, cfg.sharding.rules), lowering_for(devices):
       lowered = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None)).lower(
@@ -426,8 +424,9 @@ def format_report(r: dict) -> str:
       f'predicted on {hw["name"]}: step {seconds_text(pr["step_s"])} = compute '
       f'{seconds_text(pr["compute_s"])} + bubble {seconds_text(pr["bubble_s"])} + exposed '
       f'communication {seconds_text(pr["exposed_comm_s"])}; {pr["tokens_per_s"]:,.0f} tokens/s, '
-      f'MFU {pr["mfu"]:.1%} ({pr["mfu_causal"]:.1%} with causal halving; matmuls at '
-      f'{hw["matmul_efficiency"]:.0%} of peak)')
+      f'MFU {pr["mfu"]:.1%} ({pr["mfu_causal"]:.1%} with causal halving). A model, not a '
+      f'measurement: matmuls at {hw["matmul_efficiency"]:.0%} of peak, data and fsdp traffic '
+      'hidden behind compute, tensor and pipe traffic exposed; tune --measure times it')
   return '\n'.join(lines)
 
 

@@ -25,6 +25,7 @@ DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord')
 PIPELINE_SCHEDULES = ('gpipe', 'circular')
 GATHER_MODES = ('step', 'iteration')
 ZERO_STAGES = (0, 1, 2)
+SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')  # optim.schedule
 
 # Which config field sets the size of each logical parameter axis (for error messages).
 AXIS_FIELDS = {
@@ -152,15 +153,23 @@ def default_config() -> ConfigDict:
   ))
 
   c.optim = ConfigDict(dict(
-      lr=3e-4,
-      warmup_steps=10,
-      decay_steps=0,       # cosine decay length; 0: until train.steps
+      lr=3e-4,             # peak learning rate
+      warmup_steps=10,     # update s of the first W takes lr·s/W; update W takes the peak
+      # after warmup: 'cosine' or 'linear' decay to lr·min_lr_ratio, 'constant', or 'wsd'
+      # (warmup-stable-decay: the peak until the last decay_steps, then linear decay)
+      schedule='cosine',
+      # cosine/linear: the updates after warmup the lr falls over (0: to train.steps), then
+      # it stays at the final lr; wsd: the last updates, which it falls over (0: a fifth)
+      decay_steps=0,
       min_lr_ratio=0.1,    # final lr = lr * min_lr_ratio
       b1=0.9,
       b2=0.95,
       eps=1e-8,
       weight_decay=0.1,    # not applied to norm scales
       clip_norm=1.0,       # global gradient norm clip; 0 turns it off
+      # z-loss: adds z_loss · log²Z per token (Z: the softmax's normaliser) to the objective,
+      # keeping the logits from drifting; the logged loss stays the cross-entropy
+      z_loss=0.0,
       # dtype the AdamW moments are stored in; 'bfloat16' halves their memory but loses
       # the small updates of low learning rates (gradients are always accumulated in fp32)
       state_dtype='float32',
@@ -260,7 +269,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(m.dtype, 'model.dtype', DTYPES)
   _choice(m.param_dtype, 'model.param_dtype', DTYPES)
   _choice(m.grad_reduce_dtype, 'model.grad_reduce_dtype', DTYPES)
-  _choice(cfg.optim.state_dtype, 'optim.state_dtype', DTYPES)
+  _validate_optim(cfg.optim)
   _choice(cfg.data.source, 'data.source', DATA_SOURCES)
   if cfg.sharding.zero not in ZERO_STAGES:
     raise ConfigError(f'sharding.zero={cfg.sharding.zero!r} is unknown; use 0 (off), 1 (optimizer '
@@ -352,6 +361,25 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
 def context_length(cfg: ConfigDict) -> int:
   """The context the model is for: model.max_position, or the rows it trains on."""
   return cfg.model.max_position or cfg.data.seq_len
+
+
+def _validate_optim(o: ConfigDict) -> None:
+  """Each optimizer field in its meaningful range (NaN and inf fail too): a negative lr would
+  train by gradient ascent, a negative weight decay would grow the weights."""
+  _choice(o.schedule, 'optim.schedule', SCHEDULES)
+  _choice(o.state_dtype, 'optim.state_dtype', DTYPES)
+  ranges = {'lr': ('> 0', lambda v: v > 0), 'eps': ('> 0', lambda v: v > 0),
+            'min_lr_ratio': ('in [0, 1]', lambda v: 0 <= v <= 1),
+            'b1': ('in [0, 1)', lambda v: 0 <= v < 1), 'b2': ('in [0, 1)', lambda v: 0 <= v < 1),
+            'weight_decay': ('>= 0', lambda v: v >= 0),
+            'clip_norm': ('>= 0 (0: no clipping)', lambda v: v >= 0),
+            'z_loss': ('>= 0 (0: off)', lambda v: v >= 0)}
+  for field, (meaning, ok) in ranges.items():
+    if not (math.isfinite(o[field]) and ok(o[field])):
+      raise ConfigError(f'optim.{field}={o[field]} must be {meaning}.')
+  for field in ('warmup_steps', 'decay_steps'):
+    if o[field] < 0:
+      raise ConfigError(f'optim.{field}={o[field]} must be at least 0.')
 
 
 def _validate_rope_scaling(s: ConfigDict) -> None:

@@ -349,19 +349,23 @@ def _chunk_logits(x_BCD, w_DV):
   return jax.lax.with_sharding_constraint(logits_BCV, P(batch, P.UNCONSTRAINED, vocab))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def chunked_loss_sum(chunks: int, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT):
-  """sum(mask · cross_entropy(x·w, targets)) with [B, T/chunks, V] fp32 logits at a time.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def chunked_loss_sum(chunks: int, grad_dtype, z_loss: float, x_BTD, w_DV, targets_BT, mask_BT):
+  """(objective, cross-entropy): sum(mask · (cross_entropy + z_loss · log²Z)) of the logits
+  x·w, and sum(mask · cross_entropy), with [B, T/chunks, V] fp32 logits at a time.
 
   Differentiated, each chunk's gradients are taken by hand as its loss is (the loss is the
   last op, so they are known then): no logits are kept or remade for the backward, the head is
   gathered once in the compute dtype, and its gradient is summed over the chunks in fp32 and
-  reduced across devices once, in `grad_dtype`."""
-  return _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads=False)[0]
+  reduced across devices once, in `grad_dtype`. Only the objective carries gradients; the
+  cross-entropy is for the log."""
+  return _chunked_loss(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT, mask_BT,
+                       grads=False)[0]
 
 
-def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: bool):
-  """(loss sum, and with `grads` its gradients for x and w)."""
+def _chunked_loss(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT, mask_BT, grads: bool):
+  """((objective, cross-entropy) sums, and with `grads` the objective's gradients for x and
+  w)."""
   # Manual over the axes that split the rows, so each device sums its rows' head gradient over
   # the chunks before any reduction. Rows are split over pipe, then the batch axes, as the
   # pipeline leaves them (`pipeline_layers`): every row's head and loss run once. (Axes of size
@@ -385,27 +389,35 @@ def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: b
       w_c = jax.lax.all_gather(w_c, scatter_axes, axis=0, tiled=True)
 
     def chunk(carry, inputs):
-      total, dw_DV = carry
+      (objective, ce), dw_DV = carry
       x_BCD, targets_BC, mask_BC = inputs
       logits_BCV = _chunk_logits(x_BCD, w_c)
-      total += jnp.sum((jax.nn.logsumexp(logits_BCV, axis=-1) - jnp.take_along_axis(
+      lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+      chunk_ce = jnp.sum((lse_BC - jnp.take_along_axis(
           logits_BCV, targets_BC[..., None], axis=-1)[..., 0]) * mask_BC)
+      ce += chunk_ce
+      objective += chunk_ce
+      if z_loss:
+        objective += z_loss * jnp.sum(lse_BC ** 2 * mask_BC)
       if not grads:
-        return (total, dw_DV), None
+        return ((objective, ce), dw_DV), None
       onehot_BCV = jax.nn.one_hot(targets_BC, logits_BCV.shape[-1], dtype=jnp.float32)
-      dlogits_BCV = ((jax.nn.softmax(logits_BCV, axis=-1) - onehot_BCV) *
-                     mask_BC[..., None]).astype(x_BCD.dtype)
+      # d(log²Z)/dlogits = 2·logZ·softmax
+      softmax_BCV = jax.nn.softmax(logits_BCV, axis=-1)
+      if z_loss:
+        softmax_BCV *= 1 + 2 * z_loss * lse_BC[..., None]
+      dlogits_BCV = ((softmax_BCV - onehot_BCV) * mask_BC[..., None]).astype(x_BCD.dtype)
       dw_DV += jnp.einsum('bcd,bcv->dv', x_BCD, dlogits_BCV, preferred_element_type=jnp.float32)
-      return (total, dw_DV), jnp.einsum('bcv,dv->bcd', dlogits_BCV, w_c)
+      return ((objective, ce), dw_DV), jnp.einsum('bcv,dv->bcd', dlogits_BCV, w_c)
 
     zeros_DV = jnp.zeros(w_c.shape, jnp.float32) if grads else jnp.float32(0)
     zeros_DV = varying(constrain(zeros_DV, None, 'vocab') if grads else zeros_DV)
-    (total, dw_DV), dx_BCD = jax.lax.scan(
-        chunk, (varying(jnp.float32(0)), zeros_DV),
+    (totals, dw_DV), dx_BCD = jax.lax.scan(
+        chunk, ((varying(jnp.float32(0)),) * 2, zeros_DV),
         [_by_chunk(chunks, a) for a in (x_BTD, targets_BT, mask_BT)])
-    total = jax.lax.psum(total, batch_axes) if batch_axes else total
+    totals = jax.lax.psum(totals, batch_axes) if batch_axes else totals
     if not grads:
-      return total, None, None
+      return totals, None, None
     B, T, D = x_BTD.shape
     dx_BTD = jnp.moveaxis(dx_BCD, 0, 2).reshape(B, T, D)  # undoes _by_chunk
     dw_DV = dw_DV.astype(grad_dtype)
@@ -413,29 +425,31 @@ def _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT, grads: b
       dw_DV = jax.lax.psum_scatter(dw_DV, scatter_axes, scatter_dimension=0, tiled=True)
     if sum_axes:
       dw_DV = jax.lax.psum(dw_DV, sum_axes)
-    return total, dx_BTD, dw_DV
+    return totals, dx_BTD, dw_DV
 
   if batch_axes:
     rows = P(batch_entry, None)
     local = jax.shard_map(
         local, in_specs=(P(batch_entry, None, None), P(scatter_axes or None, vocab_entry), rows,
                          rows),
-        out_specs=(P(), P(batch_entry, None, None), P(scatter_axes or None, vocab_entry)),
+        out_specs=((P(), P()), P(batch_entry, None, None),
+                   P(scatter_axes or None, vocab_entry)),
         axis_names=set(batch_axes))
-  total, dx_BTD, dw_DV = local(x_BTD, constrain(w_DV, 'embed', 'vocab'), targets_BT, mask_BT)
+  totals, dx_BTD, dw_DV = local(x_BTD, constrain(w_DV, 'embed', 'vocab'), targets_BT, mask_BT)
   if grads:
     dw_DV = constrain(dw_DV, 'embed', 'vocab').astype(w_DV.dtype)
-  return total, dx_BTD, dw_DV
+  return totals, dx_BTD, dw_DV
 
 
-def _chunked_loss_fwd(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT):
-  total, dx_BTD, dw_DV = _chunked_loss(chunks, grad_dtype, x_BTD, w_DV, targets_BT, mask_BT,
-                                       grads=True)
-  return total, (dx_BTD, dw_DV)
+def _chunked_loss_fwd(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT, mask_BT):
+  totals, dx_BTD, dw_DV = _chunked_loss(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT,
+                                        mask_BT, grads=True)
+  return totals, (dx_BTD, dw_DV)
 
 
-def _chunked_loss_bwd(chunks, grad_dtype, residuals, g):
+def _chunked_loss_bwd(chunks, grad_dtype, z_loss, residuals, g):
   dx_BTD, dw_DV = residuals
+  g = g[0]  # the objective's; the cross-entropy output is for the log only
   return (g * dx_BTD).astype(dx_BTD.dtype), g * dw_DV, None, None
 
 
@@ -604,12 +618,13 @@ class Transformer(nnx.Module):
                          self.cfg.grad_reduce_dtype, jnp.float32)
     return constrain(logits_BTV, 'batch', 'seq', 'act_vocab')
 
-  def loss_sum(self, x_BTD, targets_BT, mask_BT):
-    """Next-token cross-entropy summed over the tokens `mask_BT` keeps, from the final
-    activations; the logits are made `loss_chunk` positions at a time (`chunked_loss_sum`)."""
+  def loss_sum(self, x_BTD, targets_BT, mask_BT, z_loss: float = 0.0):
+    """(objective, cross-entropy) summed over the tokens `mask_BT` keeps, from the final
+    activations: next-token cross-entropy, plus `z_loss`·log²Z in the objective. The logits
+    are made `loss_chunk` positions at a time (`chunked_loss_sum`)."""
     T = x_BTD.shape[1]
     chunks = T // self.cfg.loss_chunk if 0 < self.cfg.loss_chunk < T else 1
-    return chunked_loss_sum(chunks, jnp.dtype(self.cfg.grad_reduce_dtype),
+    return chunked_loss_sum(chunks, jnp.dtype(self.cfg.grad_reduce_dtype), z_loss,
                             self.final_norm(x_BTD), self.head(), targets_BT,
                             mask_BT.astype(jnp.float32))
 

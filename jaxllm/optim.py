@@ -1,4 +1,5 @@
-"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping."""
+"""The optimizer: AdamW with a warmup-then-decay learning-rate schedule, global-norm
+clipping and no weight decay on norm scales."""
 
 from __future__ import annotations
 
@@ -9,10 +10,27 @@ from ml_collections import ConfigDict
 
 
 def lr_schedule(cfg: ConfigDict, train_steps: int) -> optax.Schedule:
-  decay_steps = cfg.decay_steps or train_steps
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-      decay_steps=max(decay_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+  """The lr of each update, given how many came before it (optax's count, `state.step`).
+
+  Update s = 1, 2, … takes lr·s/W during the W = `warmup_steps` (update W takes the peak),
+  then `schedule`: 'constant' stays at lr; 'cosine' and 'linear' fall to lr·min_lr_ratio over
+  the D = `decay_steps` updates after warmup (0: the rest of `train_steps`) and stay there;
+  'wsd' (warmup-stable-decay) holds lr until the last D updates (0: the last fifth of
+  `train_steps`) and falls linearly to lr·min_lr_ratio on the last one."""
+  lr, final, warmup = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup_steps
+  if cfg.schedule == 'wsd':
+    decay = cfg.decay_steps or max(train_steps // 5, 1)
+    stable_until = max(train_steps - decay, warmup)
+    after = optax.join_schedules(
+        [optax.constant_schedule(lr), optax.linear_schedule(lr, final, decay)],
+        [stable_until - warmup])
+  else:
+    decay = max(cfg.decay_steps or train_steps - warmup, 1)
+    after = {'constant': lambda _: lr,
+             'cosine': optax.cosine_decay_schedule(lr, decay, alpha=cfg.min_lr_ratio),
+             'linear': optax.linear_schedule(lr, final, decay)}[cfg.schedule]
+  by_update = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
+  return lambda count: by_update(count + 1)
 
 
 def decay_mask(params):

@@ -14,6 +14,7 @@ from ml_collections import ConfigDict
 from jaxllm.mesh import (check_divisible, logical_spec, over_data, sharding_context, spec_axes,
                          split_micro_batches)
 from jaxllm.model import Transformer, sequence_positions
+from jaxllm.optim import lr_schedule
 from jaxllm.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
 
 
@@ -67,8 +68,10 @@ def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, ru
   return graphdef, state, shardings
 
 
-def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
-  """Summed next-token cross-entropy over unmasked targets, and their count (fp32)."""
+def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None,
+               z_loss: float = 0.0):
+  """(objective, (cross-entropy, tokens)): the objective and the next-token cross-entropy
+  summed over unmasked targets, and their count (fp32). The objective adds `z_loss`·log²Z."""
   model = nnx.merge(graphdef, params)
   tokens_BT = batch['inputs']
   # Packed rows say where each token sits in its document; plain rows are one sequence each.
@@ -84,7 +87,8 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None):
   else:
     x_BTD = model.layers(x_BTD, positions_BT, segment_ids_BT)
     targets_BT, mask_BT = batch['targets'], batch['mask']
-  return model.loss_sum(x_BTD, targets_BT, mask_BT), jnp.sum(mask_BT.astype(jnp.float32))
+  objective, ce = model.loss_sum(x_BTD, targets_BT, mask_BT, z_loss)
+  return objective, (ce, jnp.sum(mask_BT.astype(jnp.float32)))
 
 
 def replicated_batch_axes(params) -> tuple[str, ...]:
@@ -104,19 +108,34 @@ def zero_specs(params):
                       nnx.get_partition_spec(params), params)
 
 
+def skip_if(skip, new, old):
+  """`old` where `skip`, else `new`; optax's step counts (`count` fields) always advance."""
+  is_count = lambda path: getattr(path[-1], 'name', None) == 'count'
+  return jax.tree_util.tree_map_with_path(
+      lambda path, n, o: n if is_count(path) else jnp.where(skip, o, n), new, old)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
                     pipeline: PipelineSpec | None = None, skip_nonfinite: bool = False,
-                    zero: int = 0):
+                    zero: int = 0, z_loss: float = 0.0):
   """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch.
 
   With `skip_nonfinite`, a step whose loss or gradients are not finite leaves params and
-  optimizer state as they were (the step count still advances, as does the data).
+  optimizer state as they were, but for its step counts: they advance with `state.step` (as
+  does the data), so the schedule's lr stays the one the log shows.
   `zero` (sharding.zero): 1 reduce-scatters the summed gradients over data once per step,
   updates each device's slice of the parameters with its slice of the moments and
   all-gathers the result; 2 also keeps the gradient sum split over data, each micro-batch's
-  gradients reduce-scattered into it.
+  gradients reduce-scattered into it. `z_loss` (optim.z_loss) adds z_loss·log²Z per token to
+  the objective; the loss in the metrics stays the cross-entropy.
   """
-  grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b, pipeline), has_aux=True)
+  objective_grads = jax.value_and_grad(
+      lambda p, b: loss_terms(graphdef, p, b, pipeline, z_loss), has_aux=True)
+
+  def grad_fn(params, batch):
+    """((cross-entropy sum, tokens), the objective's gradients)."""
+    (_, sums), grads = objective_grads(params, batch)
+    return sums, grads
 
   def accumulate(params, batch, micro_grads=grad_fn, specs=None):
     """Summed gradients, summed loss and token count over the micro-batches, in turn:
@@ -184,9 +203,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     loss, grad_norm = loss_sum / tokens, optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
-      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      params, opt_state = (skip_if(~finite, new, old) for new, old in
+                           ((params, state.params), (opt_state, state.opt_state)))
     metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule(state.step), finite=finite)
     return TrainState(state.step + 1, params, opt_state), metrics
 
   return train_step
+
+
+def train_step_for(cfg: ConfigDict, graphdef, tx: optax.GradientTransformation,
+                   pipeline: PipelineSpec | None):
+  """`make_train_step` as the config sets it up (for train and analyze alike)."""
+  return make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
+                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite,
+                         cfg.sharding.zero, cfg.optim.z_loss)

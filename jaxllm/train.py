@@ -28,9 +28,9 @@ from jaxllm.config import (TrainingError, main_guard, parse_command_line, resolv
 from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.mesh import host_split, hosts, make_mesh, sharding_context
 from jaxllm.model import available_attention
-from jaxllm.optim import lr_schedule, make_optimizer
+from jaxllm.optim import make_optimizer
 from jaxllm.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
-from jaxllm.step import TrainState, init_state, loss_terms, make_train_step, state_shapes
+from jaxllm.step import TrainState, init_state, loss_terms, state_shapes, train_step_for
 
 
 @dataclasses.dataclass
@@ -79,9 +79,7 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   checkpoints = Checkpoints(ckpt_dir, cfg.checkpoint) if ckpt_dir else None
   state, origin = _initial_state(cfg, mesh, tx, pipeline, abstract, shardings, checkpoints,
                                  batches)
-  step = make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
-                         cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite,
-                         cfg.sharding.zero)
+  step = train_step_for(cfg, graphdef, tx, pipeline)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
   return Run(cfg, mesh, graphdef, state, origin, train_step, batches, eval_batches, pipeline,
              checkpoints)
@@ -338,7 +336,8 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
   """Steps from `first` to train.steps: logs per interval, saves, evaluates, stops after the
   step `stop(step)` is true for; `trace` profiles the steps it asks for."""
   cfg, ckpt = run.cfg, run.checkpoints
-  eval_step = jax.jit(lambda params, batch: loss_terms(run.graphdef, params, batch, run.pipeline))
+  eval_step = jax.jit(
+      lambda params, batch: loss_terms(run.graphdef, params, batch, run.pipeline)[1])
 
   batch = next(run.batches)
   start = time.perf_counter()

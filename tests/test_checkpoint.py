@@ -204,7 +204,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_nonfinite_updates_can_be_skipped(tmp_path):
   cfg = small_config()
-  cfg.optim.update(lr=1e12, clip_norm=0.0)
+  cfg.optim.update(lr=1e12, clip_norm=0.0, schedule='constant')  # step 1 alike in both runs
   cfg.train.update(steps=1)
   after_one, _ = train(cfg, None, jax.devices()[:1])
   cfg.train.update(steps=4, skip_nonfinite=True)
@@ -212,6 +212,11 @@ def test_nonfinite_updates_can_be_skipped(tmp_path):
   assert [row['skipped'] for row in history] == [0, 1, 1, 1]
   for got, want in paired_leaves(state.params, after_one.params):
     np.testing.assert_array_equal(got, want)
+  # The skipped steps still count for the schedule: the next update takes the lr of step 5,
+  # the one the log would show, not step 2's.
+  counts = [int(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+            if jax.tree_util.keystr(path).endswith('.count')]
+  assert len(counts) == 2 and counts == [int(state.step)] * 2 == [4, 4]
 
 
 def test_init_from_takes_params_only(saved_under_fsdp8, corpus, tmp_path):

@@ -78,6 +78,8 @@ BAD_INPUTS = {
     'across_hosts': (['--config.mesh.across_hosts=data,hosts'], 'mesh.across_hosts'),
     'streams_vs_batch': (['--config.data.streams=3'], 'data.streams'),
     'zero_stage': (['--config.sharding.zero=3'], 'sharding.zero'),
+    'negative_lr': (['--config.optim.lr=-1.0'], 'optim.lr'),  # trained by gradient ascent
+    'lr_schedule': (['--config.optim.schedule=step'], 'optim.schedule'),
 }
 
 
@@ -145,6 +147,19 @@ BAD_NUMBERS = [
     ({'distributed.initialization_timeout': 0},
      'distributed.initialization_timeout=0 must be at least 1'),
     ({'distributed.heartbeat_timeout': -5}, 'distributed.heartbeat_timeout=-5 must be at least 1'),
+    ({'optim.lr': 0.0}, 'optim.lr=0.0 must be > 0'),
+    ({'optim.lr': math.inf}, 'optim.lr=inf must be > 0'),
+    ({'optim.warmup_steps': -1}, 'optim.warmup_steps=-1 must be at least 0'),
+    ({'optim.decay_steps': -10}, 'optim.decay_steps=-10 must be at least 0'),
+    ({'optim.min_lr_ratio': 1.5}, 'optim.min_lr_ratio=1.5 must be in [0, 1]'),
+    ({'optim.min_lr_ratio': -0.1}, 'optim.min_lr_ratio=-0.1 must be in [0, 1]'),
+    ({'optim.b1': 1.0}, 'optim.b1=1.0 must be in [0, 1)'),
+    ({'optim.b2': -0.5}, 'optim.b2=-0.5 must be in [0, 1)'),
+    ({'optim.eps': 0.0}, 'optim.eps=0.0 must be > 0'),
+    ({'optim.weight_decay': -0.1}, 'optim.weight_decay=-0.1 must be >= 0'),
+    ({'optim.weight_decay': math.nan}, 'optim.weight_decay=nan must be >= 0'),
+    ({'optim.clip_norm': -1.0}, 'optim.clip_norm=-1.0 must be >= 0'),
+    ({'optim.z_loss': -1e-4}, 'optim.z_loss=-0.0001 must be >= 0'),
 ]
 ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)
 
@@ -173,7 +188,12 @@ def test_numbers_at_the_edge_of_their_range_are_valid():
   validate(with_fields({'cpu_devices': 0, 'train.peak_flops': 0.0, 'train.seed': 2**32 - 1,
                         'pipeline.microbatches': 0, 'model.rope_scaling.factor': 1.0,
                         'model.rope_scaling.original_max_position': 1,
-                        'distributed.process_id': -1, 'distributed.heartbeat_timeout': 1}),
+                        'distributed.process_id': -1, 'distributed.heartbeat_timeout': 1,
+                        'optim.warmup_steps': 0, 'optim.decay_steps': 0,
+                        'optim.min_lr_ratio': 0.0, 'optim.b1': 0.0, 'optim.b2': 0.0,
+                        'optim.weight_decay': 0.0, 'optim.clip_norm': 0.0, 'optim.z_loss': 0.0}),
+           ONE_DEVICE)
+  validate(with_fields({'optim.min_lr_ratio': 1.0, 'optim.schedule': 'wsd'}),
            ONE_DEVICE)
 
 

@@ -218,7 +218,7 @@ def test_packed_rows_give_the_loss_of_one_document_per_row(one_device):
   one_per_row = [_pack([doc], rows=1, length=16) for doc in documents]
   one_per_row = {k: np.concatenate([b[k] for b in one_per_row]) for k in packed}
 
-  loss_fn = jax.jit(lambda b: loss_terms(graphdef, params, b))
+  loss_fn = jax.jit(lambda b: loss_terms(graphdef, params, b)[1])
   (packed_sum, packed_tokens), (ref_sum, ref_tokens) = loss_fn(packed), loss_fn(one_per_row)
   assert packed_tokens == ref_tokens == sum(len(d) - 1 for d in documents)
   np.testing.assert_allclose(packed_sum, ref_sum, rtol=1e-5)
@@ -376,31 +376,40 @@ def test_embedding_lookup_matches_the_whole_table(mesh, rules, rows):
   np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
 
 
-def _whole_logits_loss(x, w, targets, mask):
+def _whole_logits_loss(x, w, targets, mask, z_loss=0.0):
   logits = jnp.einsum('btd,dv->btv', x, w)
   logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * mask)
+  log_z = jax.scipy.special.logsumexp(logits, axis=-1)
+  return jnp.sum((z_loss * log_z ** 2 - jnp.take_along_axis(logp, targets[..., None],
+                                                              axis=-1)[..., 0]) * mask)
 
 
+@pytest.mark.parametrize('z_loss', [0.0, 0.1])
 @pytest.mark.parametrize('chunks', [1, 4])
 @pytest.mark.parametrize('mesh', [dict(), dict(data=2, fsdp=2, tensor=2)])
-def test_chunked_loss_equals_the_whole_logits(chunks, mesh):
+def test_chunked_loss_equals_the_whole_logits(chunks, mesh, z_loss):
   """The loss made a chunk of positions at a time, with its hand-made gradients, equals
-  log-softmax over all the logits at once (fp32, 1e-6), masked tokens left out."""
+  log-softmax over all the logits at once (fp32, 1e-6), masked tokens left out; with z-loss,
+  the objective adds z·log²Z per token (gradients by jax.grad of that formula) and the
+  logged loss stays the cross-entropy."""
   B, T, D, V = 8, 16, 32, 96
   keys = jax.random.split(jax.random.key(2), 3)
   x = jax.random.normal(keys[0], (B, T, D))
   w = jax.random.normal(keys[1], (D, V)) * 0.1
   targets = jax.random.randint(keys[2], (B, T), 0, V)
   mask = (jnp.arange(T) % 5 != 0).astype(jnp.float32) * jnp.ones((B, 1))
-  want = jax.value_and_grad(_whole_logits_loss, (0, 1))(x, w, targets, mask)
+  want = jax.value_and_grad(_whole_logits_loss, (0, 1))(x, w, targets, mask, z_loss)
+  want_ce = _whole_logits_loss(x, w, targets, mask)
   shape = {**dict(data=1, fsdp=1, pipe=1, tensor=1), **mesh}
   with sharding_context(make_mesh(shape), default_config().sharding.rules):
-    got = jax.jit(jax.value_and_grad(
-        lambda x, w: chunked_loss_sum(chunks, jnp.float32, x, w, targets, mask),
-        (0, 1)))(x, w)
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-  for g, r in paired_leaves(got[1], want[1]):
+    (objective, ce), grads = jax.jit(jax.value_and_grad(
+        lambda x, w: chunked_loss_sum(chunks, jnp.float32, z_loss, x, w, targets, mask),
+        (0, 1), has_aux=True))(x, w)
+  np.testing.assert_allclose(objective, want[0], rtol=1e-6)
+  np.testing.assert_allclose(ce, want_ce, rtol=1e-6)
+  if z_loss:
+    assert objective > ce * 1.2  # the z term is really there
+  for g, r in paired_leaves(grads, want[1]):
     assert g.shape == r.shape
     np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
 
