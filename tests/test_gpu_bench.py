@@ -23,7 +23,8 @@ numpy; tests/test_hf.py checks whole-model logits against transformers' LlamaFor
 (`test_imported_logits_match_transformers`) and step 1's loss against its cross-entropy
 (`test_init_from_hf_trains_from_its_weights_and_exports_the_result`). Meshes and the pipeline
 are checked against one device in tests/test_parallel.py and tests/test_pipeline.py. The
-optimizer (optax's AdamW, the decay mask, the schedule) has no independent reference.
+learning-rate schedules are checked against their written-out formulas in tests/test_optim.py;
+AdamW and its decay mask are optax's and have no independent reference here.
 """
 
 import importlib.util
