@@ -29,8 +29,8 @@ from ml_collections import ConfigDict
 from jaxllm import hlo, metrics
 from jaxllm.checkpoint import restore_target
 from jaxllm.backends import gpu_devices, is_compile_only, lowering_for, start_backends
-from jaxllm.config import (MESH_AXES, ConfigError, main_guard, parse_command_line,
-                           resolve_mesh, validate)
+from jaxllm.config import (MESH_AXES, ConfigError, batch_shards, main_guard,
+                           parse_command_line, resolve_mesh, validate)
 from jaxllm.hardware import (PROFILES, Hardware, axes_across_nodes, hardware_profile,
                              usable_memory)
 from jaxllm.mesh import batch_sharding, make_mesh, over_data, sharding_context, spec_axes
@@ -172,7 +172,7 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   act_bytes = jnp.dtype(m.dtype).itemsize
   a = act_bytes / jnp.dtype(m.param_dtype).itemsize
   g = jnp.dtype(m.grad_reduce_dtype).itemsize / jnp.dtype(m.param_dtype).itemsize
-  shards = shape['data'] * shape['fsdp']
+  shards = batch_shards(cfg, shape)
   rows = t.global_batch // t.micro_batches // shards  # b per micro-batch on one device
   bsh = rows * cfg.data.seq_len * m.embed_dim * act_bytes
   params = c.state_bytes['params']

@@ -104,9 +104,14 @@ def default_config() -> ConfigDict:
 
   # Logical axis name -> mesh axes it is split over (empty tuple: replicated).
   # This table is the one place that binds model axes to the mesh.
+  # seq splits every activation along the sequence (context parallelism: attention gathers
+  # each row's keys and values), e.g. seq=('fsdp',) with batch=('data',); act_seq splits the
+  # residual stream and its norms further (sequence parallelism: act_seq=('tensor',) turns
+  # the tensor all-reduces into reduce-scatters and all-gathers).
   c.sharding = ConfigDict(dict(rules=ConfigDict(dict(
       batch=('data', 'fsdp'),
       seq=(),
+      act_seq=(),
       vocab=('tensor',),
       embed=('fsdp',),
       heads=('tensor',),
@@ -262,7 +267,9 @@ def _choice(value, field: str, allowed: tuple[str, ...]):
 
 
 def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
-  """Checks the fields against each other and the mesh. Raises ConfigError."""
+  """Checks the fields against each other and the mesh (raises ConfigError), and keeps K/V
+  heads whole where the mesh splits them finer than there are heads (the one rule it
+  changes: `_replicate_shared_kv_heads`)."""
   m, t = cfg.model, cfg.train
   _choice(m.remat, 'model.remat', REMAT_POLICIES)
   _choice(m.attention, 'model.attention', ATTENTION_IMPLS)
@@ -330,12 +337,12 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   if cfg.pipeline.microbatches < 0:
     raise ConfigError(f'pipeline.microbatches={cfg.pipeline.microbatches} must be at least 0 '
                       '(0: 2 × mesh.pipe).')
-  shards = mesh_shape['data'] * mesh_shape['fsdp']
+  shards, split = batch_shards(cfg, mesh_shape), _batch_split(cfg, mesh_shape)
   if t.global_batch % (shards * t.micro_batches):
     raise ConfigError(
-        f'train.global_batch={t.global_batch} is not divisible by data×fsdp×micro_batches = '
-        f'{mesh_shape["data"]}×{mesh_shape["fsdp"]}×{t.micro_batches}; make it a multiple of '
-        f'{shards * t.micro_batches} or change train.micro_batches.')
+        f'train.global_batch={t.global_batch} is not divisible by {split}×micro_batches = '
+        f'{shards}×{t.micro_batches}; make it a multiple of {shards * t.micro_batches} or '
+        'change train.micro_batches.')
   if mesh_shape['pipe'] > 1:
     _validate_pipeline(cfg, mesh_shape)
 
@@ -350,12 +357,74 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
 
   rules = cfg.sharding.rules
   for name, axes in rules.items():
-    if isinstance(axes, str):
-      axes = (axes,)
-    unknown = [a for a in axes if a not in MESH_AXES]
+    unknown = [a for a in rule_axes(axes) if a not in MESH_AXES]
     if unknown:
-      raise ConfigError(f'sharding.rules.{name}={tuple(axes)} names unknown mesh axes {unknown}; '
-                        f'use {", ".join(MESH_AXES)}.')
+      raise ConfigError(f'sharding.rules.{name}={rule_axes(axes)} names unknown mesh axes '
+                        f'{unknown}; use {", ".join(MESH_AXES)}.')
+  _validate_sequence_split(cfg, mesh_shape)
+  _replicate_shared_kv_heads(cfg, mesh_shape)
+
+
+def batch_shards(cfg: ConfigDict, mesh_shape: dict[str, int]) -> int:
+  """How many ways the batch's rows are split: the sizes of sharding.rules.batch's axes."""
+  return math.prod(mesh_shape[a] for a in rule_axes(cfg.sharding.rules.batch))
+
+
+def _batch_split(cfg: ConfigDict, mesh_shape: dict[str, int]) -> str:
+  """The batch rule's axes for a message, e.g. 'data×fsdp'."""
+  return '×'.join(rule_axes(cfg.sharding.rules.batch)) or 'one (sharding.rules.batch=())'
+
+
+# The rules whose axes each sequence split must keep clear of: they split other dimensions
+# of the same activations (the residual stream for act_seq; every activation for seq).
+SEQUENCE_CLASHES = {
+    'seq': ('batch', 'act_seq', 'act_embed', 'act_heads', 'act_kv_heads', 'act_mlp', 'act_vocab'),
+    'act_seq': ('batch', 'act_embed'),
+}
+
+
+def _validate_sequence_split(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
+  """sharding.rules.seq (context parallelism) and act_seq (sequence parallelism): over axes
+  the step leaves to the compiler, splitting no other dimension of the same activations,
+  into parts that divide the sequence."""
+  rules = cfg.sharding.rules
+  for name, others in SEQUENCE_CLASHES.items():
+    axes = rule_axes(rules[name])
+    by_hand = [a for a in axes if a in ('data', 'pipe')]
+    if by_hand:
+      raise ConfigError(f'sharding.rules.{name}={axes} names {by_hand[0]!r}, whose rows or '
+                        "stages the train step splits by hand; split the sequence over 'fsdp' "
+                        "or 'tensor'.")
+    for other in others:
+      common = [a for a in axes if a in rule_axes(rules[other])]
+      if common:
+        raise ConfigError(f'sharding.rules.{name}={axes} and sharding.rules.{other}='
+                          f'{rule_axes(rules[other])} both split over {common[0]!r}; an axis '
+                          'splits one dimension of an activation: take it out of one of them.')
+  axes = rule_axes(rules.seq) + rule_axes(rules.act_seq)
+  parts = math.prod(mesh_shape[a] for a in axes)
+  if cfg.data.seq_len % parts:
+    raise ConfigError(f'data.seq_len={cfg.data.seq_len} does not split over sharding.rules.seq '
+                      f'and act_seq ({"×".join(axes)} = {parts}); make it a multiple of {parts} '
+                      'or change the mesh or those rules.')
+
+
+def rule_axes(axes) -> tuple[str, ...]:
+  """A rules-table entry as a tuple of mesh axes (it may be given as one name)."""
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _replicate_shared_kv_heads(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
+  """Fewer K/V heads than the devices their rule splits them over (8 over tensor=16): each
+  device's query heads then share one K/V head, so the K/V weights and activations are kept
+  whole on those devices (their rules emptied) and `sharded_attention` takes each device's
+  own K/V head from them, as Megatron and MaxText replicate them. A count that neither
+  divides nor is divided by the split is left for `check_divisible` to name."""
+  K = cfg.model.num_kv_heads
+  for name in ('kv_heads', 'act_kv_heads'):
+    parts = math.prod(mesh_shape[a] for a in rule_axes(cfg.sharding.rules[name]))
+    if K % parts and parts % K == 0:
+      cfg.sharding.rules[name] = ()
 
 
 def context_length(cfg: ConfigDict) -> int:
@@ -438,12 +507,12 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
                       f'runs the output head on M/S of them; use {S}, {2 * S} (a smaller bubble) '
                       'or another multiple.')
   slice_rows = cfg.train.global_batch // cfg.train.micro_batches
-  shards = mesh_shape['data'] * mesh_shape['fsdp']
+  shards = batch_shards(cfg, mesh_shape)
   if slice_rows % (M * shards):
     raise ConfigError(
         f'train.global_batch={cfg.train.global_batch} (÷ train.micro_batches='
-        f'{cfg.train.micro_batches}) is not divisible by pipeline.microbatches×data×fsdp = '
-        f'{M}×{mesh_shape["data"]}×{mesh_shape["fsdp"]}; make it a multiple of '
+        f'{cfg.train.micro_batches}) is not divisible by pipeline.microbatches×'
+        f'{_batch_split(cfg, mesh_shape)} = {M}×{shards}; make it a multiple of '
         f'{M * shards * cfg.train.micro_batches} or change pipeline.microbatches.')
 
 

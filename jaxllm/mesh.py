@@ -76,12 +76,17 @@ def sharding_context(mesh: jax.sharding.Mesh, rules):
     yield
 
 
-def logical_spec(*names: str | None) -> P:
-  """The mesh PartitionSpec of logical axis names, under the rules in scope.
+def logical_spec(*names: str | tuple[str, ...] | None) -> P:
+  """The mesh PartitionSpec of logical axis names, under the rules in scope. A dimension may
+  name several (a tuple): it is split over all their mesh axes, in that order.
 
   Inside a shard_map only the compiler-managed axes can be named; manual ones are left out.
   """
-  spec = spmd.apply_rules(P(*names), None)
+  def mesh_axes(name):
+    names = name if isinstance(name, tuple) else (name,)
+    return tuple(a for n in names for a in spec_axes(spmd.apply_rules(P(n), None)[0]))
+
+  spec = P(*(_spec_entry(mesh_axes(name)) for name in names))
   manual = jax.sharding.get_abstract_mesh().manual_axes
   return keep_axes(spec, set(MESH_AXES) - set(manual)) if manual else spec
 

@@ -209,8 +209,8 @@ class Attention(nnx.Module):
     q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
     k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
     if cache is None:
-      o_BTNH = sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention,
-                                 self.cfg.max_documents)
+      o_BTNH = sharded_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT,
+                                 self.cfg.attention, self.cfg.max_documents)
     else:
       o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache)
     o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
@@ -241,6 +241,13 @@ class MLP(nnx.Module):
     return mm('btf,fd->btd', h_BTF, self.w_down_FD)
 
 
+# The residual stream between the blocks' matmuls, and its norms: the sequence split as the
+# blocks' activations are (seq: context parallelism) and further by act_seq (sequence
+# parallelism: with act_seq=('tensor',) the tensor all-reduces after the attention and MLP
+# outputs become reduce-scatters, and all-gathers before the next matmuls).
+RESIDUAL_AXES = ('batch', ('seq', 'act_seq'), 'act_embed')
+
+
 class Block(nnx.Module):
   """Pre-norm residual block: attention, then MLP."""
 
@@ -255,10 +262,8 @@ class Block(nnx.Module):
     """The block's output; with a `cache`, also the new tokens' keys and values."""
     attn = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, cache)
     attn_BTD, new_kv = attn if cache is not None else (attn, None)
-    x_BTD = x_BTD + attn_BTD
-    x_BTD = constrain(x_BTD, 'batch', 'seq', 'act_embed')
-    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    x_BTD = constrain(x_BTD, 'batch', 'seq', 'act_embed')
+    x_BTD = constrain(x_BTD + attn_BTD, *RESIDUAL_AXES)
+    x_BTD = constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), *RESIDUAL_AXES)
     return x_BTD if cache is None else (x_BTD, new_kv)
 
 
@@ -370,17 +375,22 @@ def _chunked_loss(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT, mask_BT, 
   # the chunks before any reduction. Rows are split over pipe, then the batch axes, as the
   # pipeline leaves them (`pipeline_layers`): every row's head and loss run once. (Axes of size
   # 1 are left out: XLA's partitioner rejects collectives over them here.)
+  # The sequence, split by the seq rule (context parallelism), stays split the same way: each
+  # device takes its own positions' loss.
   mesh = jax.sharding.get_abstract_mesh()
-  batch_axes = () if mesh.empty else tuple(
-      a for a in ('pipe', *spec_axes(logical_spec('batch')[0]))
-      if mesh.shape[a] > 1 and a not in mesh.manual_axes)
-  batch_entry = batch_axes or None
+  batch_axes, seq_axes = ((), ()) if mesh.empty else (tuple(
+      a for a in axes if mesh.shape[a] > 1 and a not in mesh.manual_axes)
+      for axes in (('pipe', *spec_axes(logical_spec('batch')[0])),
+                   spec_axes(logical_spec('seq')[0])))
+  split_axes = batch_axes + seq_axes
   embed_axes, vocab_axes = (spec_axes(e) for e in logical_spec('embed', 'vocab'))
-  scatter_axes = tuple(a for a in embed_axes if a in batch_axes)
-  sum_axes = tuple(a for a in batch_axes if a not in scatter_axes)
-  vocab_entry = keep_axes(P(vocab_axes), batch_axes)[0]
-  varying = (lambda a: jax.lax.pcast(a, batch_axes, to='varying')) if batch_axes else (
+  scatter_axes = tuple(a for a in embed_axes if a in split_axes)
+  sum_axes = tuple(a for a in split_axes if a not in scatter_axes)
+  vocab_entry = keep_axes(P(vocab_axes), split_axes)[0]
+  varying = (lambda a: jax.lax.pcast(a, split_axes, to='varying')) if split_axes else (
       lambda a: a)
+  seq_parts = math.prod(mesh.shape[a] for a in seq_axes)
+  chunks = math.gcd(chunks, x_BTD.shape[1] // seq_parts)  # of this device's positions
 
   def local(x_BTD, w_DV, targets_BT, mask_BT):
     # The head in the compute dtype, gathered once for every chunk (what fsdp split).
@@ -415,7 +425,7 @@ def _chunked_loss(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT, mask_BT, 
     (totals, dw_DV), dx_BCD = jax.lax.scan(
         chunk, ((varying(jnp.float32(0)),) * 2, zeros_DV),
         [_by_chunk(chunks, a) for a in (x_BTD, targets_BT, mask_BT)])
-    totals = jax.lax.psum(totals, batch_axes) if batch_axes else totals
+    totals = jax.lax.psum(totals, split_axes) if split_axes else totals
     if not grads:
       return totals, None, None
     B, T, D = x_BTD.shape
@@ -427,14 +437,12 @@ def _chunked_loss(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT, mask_BT, 
       dw_DV = jax.lax.psum(dw_DV, sum_axes)
     return totals, dx_BTD, dw_DV
 
-  if batch_axes:
-    rows = P(batch_entry, None)
+  if split_axes:
+    rows = P(batch_axes or None, seq_axes or None)
     local = jax.shard_map(
-        local, in_specs=(P(batch_entry, None, None), P(scatter_axes or None, vocab_entry), rows,
-                         rows),
-        out_specs=((P(), P()), P(batch_entry, None, None),
-                   P(scatter_axes or None, vocab_entry)),
-        axis_names=set(batch_axes))
+        local, in_specs=(P(*rows, None), P(scatter_axes or None, vocab_entry), rows, rows),
+        out_specs=((P(), P()), P(*rows, None), P(scatter_axes or None, vocab_entry)),
+        axis_names=set(split_axes))
   totals, dx_BTD, dw_DV = local(x_BTD, constrain(w_DV, 'embed', 'vocab'), targets_BT, mask_BT)
   if grads:
     dw_DV = constrain(dw_DV, 'embed', 'vocab').astype(w_DV.dtype)
@@ -456,32 +464,76 @@ def _chunked_loss_bwd(chunks, grad_dtype, z_loss, residuals, g):
 chunked_loss_sum.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
-def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: str,
+def sharded_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, implementation: str,
                       max_documents: int):
   """Causal attention inside each document, computed where the rows and heads are: rows
-  split as the batch, heads as the head activations, each sequence whole. No shard then needs
-  another's data, and cuDNN's fused kernel sees local arrays: JAX's partitioning rule for it
-  fails inside the pipeline's shard_map, where some mesh axes are already manual.
-  Packed rows reach cuDNN as up to `max_documents` spans each (`packed_cudnn_attention`)
-  where the GPU takes that layout, as the dense segment mask elsewhere."""
-  def attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT):
+  split as the batch, heads as the head activations. No shard then needs another's data, and
+  cuDNN's fused kernel sees local arrays: JAX's partitioning rule for it fails inside the
+  pipeline's shard_map, where some mesh axes are already manual. Packed rows reach cuDNN as
+  up to `max_documents` spans each (`packed_cudnn_attention`) where the GPU takes that
+  layout, as the dense segment mask elsewhere.
+
+  With the sequence split (the 'seq' rule: context parallelism) each device's queries stay
+  where they are and the keys and values come whole, all-gathered by the compiler (their
+  gradients reduce-scattered back); a key is visible to a query of the same document at the
+  same or an earlier position (`_attend_split_queries`)."""
+  def attend(q_BTNH, k_BSKH, v_BSKH, positions_BT, key_positions_BS, segment_ids_BT,
+             key_segment_ids_BS):
+    if shared_kv:  # K/V heads are whole here: take the ones this device's query heads use
+      local, group = shared_kv
+      start = jax.lax.axis_index(spec_axes(q_spec[2])) * local // group
+      k_BSKH, v_BSKH = (jax.lax.dynamic_slice_in_dim(a, start, max(1, local // group), axis=2)
+                        for a in (k_BSKH, v_BSKH))
+    if split_queries:
+      return _attend_split_queries(q_BTNH, k_BSKH, v_BSKH, positions_BT, key_positions_BS,
+                                   segment_ids_BT, key_segment_ids_BS, implementation)
     if implementation == 'cudnn' and segment_ids_BT is not None and cudnn_packed_layout():
-      return packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents)
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+      return packed_cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, max_documents)
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
                                         mask=segment_mask(segment_ids_BT),
                                         implementation=implementation)
 
   mesh = jax.sharding.get_abstract_mesh()
+  shared_kv, split_queries = None, False
+  args = (q_BTNH, k_BTKH, v_BTKH, positions_BT, positions_BT, segment_ids_BT, segment_ids_BT)
   if mesh.empty:
-    return attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-  q_spec = dividing_spec(q_BTNH, 'batch', None, 'act_heads', None)
+    return attend(*args)
+  q_spec = dividing_spec(q_BTNH, 'batch', 'seq', 'act_heads', None)
   kv_spec = dividing_spec(k_BTKH, 'batch', None, 'act_kv_heads', None)
+  split_queries = q_spec[1] is not None
   if q_spec[2] != kv_spec[2]:  # a query head's kv head must be on its device
-    q_spec, kv_spec = P(*q_spec[:2], None, None), P(*kv_spec[:2], None, None)
-  rows = None if segment_ids_BT is None else P(q_spec[0], None)
-  return jax.shard_map(attend, in_specs=(q_spec, kv_spec, kv_spec, rows), out_specs=q_spec,
-                       axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
-                       check_vma=False)(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    shared_kv = shared_kv_heads(q_BTNH.shape[2], k_BTKH.shape[2], spec_axes(q_spec[2]),
+                                spec_axes(kv_spec[2]), mesh)
+    if shared_kv is None:
+      q_spec, kv_spec = P(*q_spec[:2], None, None), P(*kv_spec[:2], None, None)
+  rows, key_rows = P(*q_spec[:2]), P(kv_spec[0], None)
+  segments = (None, None) if segment_ids_BT is None else (rows, key_rows)
+  return jax.shard_map(
+      attend, in_specs=(q_spec, kv_spec, kv_spec, rows, key_rows, *segments), out_specs=q_spec, axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+      check_vma=False)(*args)
+
+
+def _attend_split_queries(q_BTNH, k_BSKH, v_BSKH, positions_BT, key_positions_BS,
+                          segment_ids_BT, key_segment_ids_BS, implementation: str):
+  """Attention from T queries, a part of each row's sequence, to the S keys of all of it:
+  masked by position and document, which is exact whatever order the split leaves the
+  tokens in. cuDNN takes the mask as a dense bias: its packed layout places documents by
+  offsets shared by queries and keys, which the split does not keep."""
+  mask_B1TS = positions_BT[:, None, :, None] >= key_positions_BS[:, None, None, :]
+  if segment_ids_BT is not None:
+    mask_B1TS &= segment_ids_BT[:, None, :, None] == key_segment_ids_BS[:, None, None, :]
+  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS,
+                                      implementation=implementation)
+
+
+def shared_kv_heads(N: int, K: int, q_axes, kv_axes, mesh) -> tuple[int, int] | None:
+  """With N query heads split over `q_axes` and the K K/V heads whole on every device: (query
+  heads per device, query heads per K/V head), so that device i's query heads use K/V heads
+  i·local/group on (`sharded_attention`); None where they do not map onto whole K/V heads."""
+  if kv_axes or not q_axes:
+    return None
+  local, group = N // math.prod(mesh.shape[a] for a in q_axes), N // K
+  return (local, group) if group % local == 0 or local % group == 0 else None
 
 
 def document_spans(segment_ids_BT, max_documents: int):
@@ -601,7 +653,7 @@ class Transformer(nnx.Module):
 
   def embed(self, tokens_BT):
     x_BTD = sharded_lookup(self.embed_VD[...], tokens_BT, self.cfg.dtype)
-    return constrain(x_BTD, 'batch', 'seq', 'act_embed')
+    return constrain(x_BTD, *RESIDUAL_AXES)
 
   def layers(self, x_BTD, positions_BT, segment_ids_BT=None, cache: KVCache | None = None):
     """Runs the block stack as one `lax.scan`, rematerialised per the config.

@@ -23,8 +23,8 @@ from ml_collections import ConfigDict
 from jaxllm import distributed, hf, metrics
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.backends import start_backends
-from jaxllm.config import (TrainingError, main_guard, parse_command_line, resolve_mesh,
-                           validate)
+from jaxllm.config import (TrainingError, batch_shards, main_guard, parse_command_line,
+                           resolve_mesh, rule_axes, validate)
 from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.mesh import host_split, hosts, make_mesh, sharding_context
 from jaxllm.model import available_attention
@@ -64,9 +64,15 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
       print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
             f"{platform} devices; using 'xla' attention.")
     cfg.model.attention = available_attention(cfg.model, platform)
-  if cfg.sharding.zero and mesh_shape['data'] == 1 and metrics.is_logging_process():
-    print(f'note: sharding.zero={cfg.sharding.zero} splits over the data axis, but mesh.data=1: '
-          'nothing is split.')
+  if metrics.is_logging_process():
+    if cfg.sharding.zero and mesh_shape['data'] == 1:
+      print(f'note: sharding.zero={cfg.sharding.zero} splits over the data axis, but '
+            'mesh.data=1: nothing is split.')
+    for name in ('seq', 'act_seq'):
+      axes = rule_axes(cfg.sharding.rules[name])
+      if axes and all(mesh_shape[a] == 1 for a in axes):
+        print(f'note: sharding.rules.{name}={axes} splits the sequence over axes of size 1: '
+              'nothing is split.')
   mesh = make_mesh(mesh_shape, devices, cfg.mesh.across_hosts)
   batches = make_batches(cfg, mesh)
   eval_batches = make_eval_batches(cfg, mesh) if cfg.eval.every else None
@@ -132,7 +138,7 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | 
              batches=None) -> str:
   """The derived numbers a user should see before the first step."""
   t, m = cfg.train, cfg.model
-  shards = mesh.shape['data'] * mesh.shape['fsdp']
+  shards = batch_shards(cfg, mesh.shape)
   params = metrics.param_counts(m)
   flops = metrics.flops_per_token(m, cfg.data.seq_len)
   micro = t.global_batch // t.micro_batches

@@ -306,7 +306,8 @@ def test_packed_cudnn_attention_matches_the_segment_mask(max_documents):
   @functools.partial(jax.jit, static_argnums=(0, 1))
   def outputs_and_gradients(implementation, dtype, q, k, v, ct, segment_ids):
     def attend(q, k, v):
-      return sharded_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), segment_ids,
+      return sharded_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
+                               jnp.broadcast_to(jnp.arange(T), segment_ids.shape), segment_ids,
                                implementation, max_documents)
     out, vjp = jax.vjp(attend, q, k, v)
     return out, vjp(ct.astype(out.dtype))
