@@ -30,7 +30,7 @@ from jaxllm import hlo, metrics
 from jaxllm.checkpoint import restore_target
 from jaxllm.backends import gpu_devices, is_compile_only, lowering_for, start_backends
 from jaxllm.config import (MESH_AXES, ConfigError, batch_shards, main_guard,
-                           parse_command_line, resolve_mesh, validate)
+                           parse_command_line, resolve_mesh, rule_axes, validate)
 from jaxllm.hardware import (PROFILES, Hardware, axes_across_nodes, hardware_profile,
                              usable_memory)
 from jaxllm.mesh import batch_sharding, make_mesh, over_data, sharding_context, spec_axes
@@ -157,7 +157,15 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     lookup moves rows, not weights: the looked-up b·s·h forward and backward, 2(N−1)/N·b·s·h; the
     parameters fsdp does not split (norm scales) are all-reduced, 2(N−1)/N·g·P.
     (No figure for gather_weights='iteration'.)
-  tensor: 4 all-reduces of b·s·h per layer and micro-batch (2 forward, 2 backward).
+  tensor: 4 all-reduces of b·s·h per layer and micro-batch (2 forward, 2 backward), 2(N−1)/N
+    each. With sequence parallelism (rules.act_seq over tensor) each is a reduce-scatter and an
+    all-gather, the same bytes, and the backward all-gathers the two norms' outputs again for
+    the weight gradients (Megatron-LM's figure): 5·2(N−1)/N·b·s·h per layer. With K/V heads
+    replicated over tensor (fewer than it), their weights' gradients are all-reduced too,
+    2(N−1)/N·g·W per micro-batch (W: the K/V weights' bytes on one device).
+  seq (context parallelism, per axis of rules.seq, on top of its own traffic): per layer and
+    micro-batch each device's keys and values all-gathered from the whole sequence S and their
+    gradients reduce-scattered back, 4(N−1)/N·b·S·k (k: the K/V width on one device).
   pipe: per micro-batch, b·s·h/M forward and backward in each of the R·M+S−1 iterations of
     the scanned schedule (bubble iterations shift too); the last stage's outputs handed out,
     M/S micro-batches to each stage (a reduce-scatter, an all-gather backward),
@@ -165,7 +173,8 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     stage holds, 2(S−1)/S·b·s·h; and once per step (XLA sums the micro-batches' first), the
     output head's gradient, which each stage makes from its rows, all-reduced, 2(S−1)/S·g·H
     (H the head's bytes on one device).
-  P is the parameter bytes on one device before the axis' own split; b the rows on one device.
+  P is the parameter bytes on one device before the axis' own split; b the rows on one device,
+  s its part of the sequence (all of it unless rules.seq splits it).
   """
   cfg, shape = c.cfg, c.mesh_shape
   m, t = cfg.model, cfg.train
@@ -174,7 +183,8 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   g = jnp.dtype(m.grad_reduce_dtype).itemsize / jnp.dtype(m.param_dtype).itemsize
   shards = batch_shards(cfg, shape)
   rows = t.global_batch // t.micro_batches // shards  # b per micro-batch on one device
-  bsh = rows * cfg.data.seq_len * m.embed_dim * act_bytes
+  seq_parts = math.prod(shape[a] for a in rule_axes(cfg.sharding.rules.seq))
+  bsh = rows * cfg.data.seq_len // seq_parts * m.embed_dim * act_bytes  # s: this device's
   params = c.state_bytes['params']
   expected = {}
   n = shape['data']
@@ -191,9 +201,23 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     per_micro = ((a + g if c.pipeline else 2 * a + g) * blocks + (a + g) * head +
                  2 * g * unsplit + 2 * bsh)
     expected[('fsdp',)] = (n - 1) / n * t.micro_batches * per_micro
+  rules = cfg.sharding.rules
   n = shape['tensor']
   if n > 1:
-    expected[('tensor',)] = 4 * m.num_layers * t.micro_batches * 2 * (n - 1) / n * bsh
+    per_layer = 5 if 'tensor' in rule_axes(rules.act_seq) else 4
+    expected[('tensor',)] = per_layer * m.num_layers * t.micro_batches * 2 * (n - 1) / n * bsh
+    if 'tensor' in rule_axes(rules.heads) and 'tensor' not in rule_axes(rules.kv_heads):
+      fsdp = math.prod(shape[a] for a in rule_axes(rules.embed))
+      kv_weights = (2 * m.num_layers // shape['pipe'] * m.embed_dim // fsdp * m.num_kv_heads *
+                    m.head_dim * jnp.dtype(m.param_dtype).itemsize)
+      expected[('tensor',)] += t.micro_batches * 2 * (n - 1) / n * g * kv_weights
+  for axis in rule_axes(rules.seq):
+    n = shape[axis]
+    if n > 1:
+      kv_parts = math.prod(shape[a] for a in rule_axes(rules.act_kv_heads))
+      bSk = bsh * seq_parts / m.embed_dim * m.num_kv_heads * m.head_dim / kv_parts
+      expected[(axis,)] = (expected.get((axis,), 0) +
+                           4 * m.num_layers * t.micro_batches * (n - 1) / n * bSk)
   if c.pipeline:
     p = c.pipeline
     shifts = 2 * p.iterations * bsh / p.microbatches

@@ -34,6 +34,23 @@ def test_tiny_config_trains_evaluates_and_writes_metrics(tmp_path):
   assert json.loads((workdir / 'config.json').read_text())['mesh']['tensor'] == 2
 
 
+def test_tiny_config_trains_with_every_extra_split(tmp_path):
+  """One K/V head over tensor=2 (replicated), the sequence split over fsdp (context
+  parallelism) and the residual stream over tensor too (sequence parallelism), ZeRO-1 over
+  data: all from the command line, on tiny's data=2 × fsdp=2 × tensor=2."""
+  workdir = tmp_path / 'run'
+  result = run_cli('--config', 'configs/tiny.py', '--config.model.num_kv_heads=1',
+                   "--config.sharding.rules.batch=('data',)",
+                   "--config.sharding.rules.seq=('fsdp',)",
+                   "--config.sharding.rules.act_seq=('tensor',)", '--config.sharding.zero=1',
+                   '--config.train.steps=40', '--config.train.log_every=20', f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
+  rules = json.loads((workdir / 'config.json').read_text())['sharding']['rules']
+  assert (rules['seq'], rules['act_seq'], rules['kv_heads']) == (['fsdp'], ['tensor'], [])
+
+
 def test_tiny_config_trains_with_a_pipeline(tmp_path):
   workdir = tmp_path / 'run'
   result = run_cli('--config', 'configs/tiny.py', '--config.mesh.pipe=2', '--config.mesh.fsdp=1',
@@ -46,8 +63,14 @@ def test_tiny_config_trains_with_a_pipeline(tmp_path):
 
 BAD_INPUTS = {
     'mesh_product': (['--config.mesh.data=3'], 'mesh'),
-    'kv_heads_vs_tensor': (['--config.mesh.data=1', '--config.mesh.fsdp=1',
-                            '--config.mesh.tensor=8'], 'model.num_kv_heads'),
+    # 3 K/V heads over tensor=2: neither splits nor replicates evenly
+    'kv_heads_vs_tensor': (['--config.model.num_heads=6', '--config.model.num_kv_heads=3'],
+                           'model.num_kv_heads'),
+    'sequence_over_data': (["--config.sharding.rules.seq=('data',)"], 'sharding.rules.seq'),
+    'sequence_and_batch_over_fsdp': (["--config.sharding.rules.seq=('fsdp',)"],
+                                     'sharding.rules.seq'),
+    'sequence_split_vs_seq_len': (["--config.sharding.rules.act_seq=('tensor',)",
+                                   '--config.data.seq_len=127'], 'data.seq_len'),
     'heads_vs_kv_heads': (['--config.model.num_heads=5'], 'model.num_heads'),
     'global_batch': (['--config.train.global_batch=6'], 'train.global_batch'),
     'micro_batches': (['--config.train.micro_batches=3'], 'train.global_batch'),

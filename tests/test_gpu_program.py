@@ -10,7 +10,7 @@ import re
 import pytest
 
 from conftest import REPO, data_reductions, run_cli, small_config
-from jaxllm import backends, hlo
+from jaxllm import analyze, backends, hlo
 from jaxllm.analyze import compile_step, format_report, report
 from jaxllm.config import ConfigError, load_config
 from jaxllm.hardware import PROFILES, usable_memory
@@ -464,3 +464,44 @@ def test_the_pipeline_runs_the_output_head_once_per_row(pipeline_program):
   rows = c.cfg.train.global_batch // (c.mesh_shape['data'] * c.mesh_shape['fsdp'] *
                                       c.mesh_shape['pipe'])
   assert logit_positions(c) == rows * c.cfg.data.seq_len == 2 * 128
+
+
+def test_sequence_parallelism_splits_the_tensor_all_reduces(tiny_program, h100s):
+  """sharding.rules.act_seq=('tensor',) on tiny_program's mesh: each all-reduce of the
+  residual stream's b·s·h over tensor (4 per layer, and the head's) becomes a reduce-scatter
+  of half its bytes (and all-gathers), and the activations each device keeps shrink."""
+  cfg = tiny()
+  cfg.sharding.rules.act_seq = ('tensor',)
+  sp = compile_step(cfg, h100s)
+  rows, T, D = 16 // 4, 128, 128  # rows on a device: global_batch over data×fsdp
+  bsh = rows * T * D * 2
+  over_tensor = lambda c, kind, size: sum(
+      x.count for x in hlo.collectives(c.text, c.mesh_shape, cpu=False)
+      if x.axes == ('tensor',) and x.kind == kind and x.dtype == 'bf16' and
+      x.bytes_per_call == size)
+  layers = cfg.model.num_layers
+  assert over_tensor(tiny_program, 'all-reduce', bsh) >= 4 * layers
+  assert over_tensor(tiny_program, 'reduce-scatter', bsh / 2) == 0
+  assert over_tensor(sp, 'reduce-scatter', bsh / 2) >= 4 * layers
+  assert over_tensor(sp, 'all-reduce', bsh) <= 1
+  assert analyze.memory(sp)['temporaries'] < analyze.memory(tiny_program)['temporaries']
+
+
+def test_context_parallelism_gathers_keys_and_values_over_fsdp(h100s):
+  """sharding.rules.seq=('fsdp',), batch=('data',) on tiny's mesh: each device keeps half
+  of every row's sequence and attends with cuDNN from those queries to all the keys (the
+  mask as a [B, 1, T/2, T] bias); per layer the keys' and values' gradients are
+  reduce-scattered back over fsdp in bf16, (N−1)/N of the whole sequence's K and V."""
+  cfg = tiny()
+  cfg.sharding.rules.update(batch=('data',), seq=('fsdp',))
+  cp = compile_step(cfg, h100s)
+  m = cfg.model
+  rows, T, kv_width = 16 // 2, 128, m.num_kv_heads // 2 * m.head_dim  # kv heads over tensor=2
+  kv_bytes = 2 * 1 / 2 * rows * T * kv_width * 2
+  scatters = [x for x in hlo.collectives(cp.text, cp.mesh_shape, cpu=False)
+              if x.axes == ('fsdp',) and x.kind == 'reduce-scatter' and x.dtype == 'bf16']
+  assert sum(x.count for x in scatters if x.bytes_per_call == kv_bytes) == m.num_layers
+  kernels = analyze.attention(cp)['kernels']
+  assert {k['target'] for k in kernels} == {'__cudnn$fmhaScaleBiasSoftmax',
+                                           '__cudnn$fmhaScaleBiasSoftmaxBackward'}
+  assert {k['bias'] for k in kernels} == {f'bf16[{rows},1,{T // 2},{T}]'}

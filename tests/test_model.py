@@ -66,17 +66,21 @@ def test_attention_matches_numpy_reference(kv_heads, one_device):
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize('mesh, kv_heads, replicated', [
-    (dict(data=2, tensor=4), 4, ()),                              # rows and heads split
-    (dict(data=2, tensor=4), 2, ('kv_heads', 'act_kv_heads')),    # kv heads whole: heads too
-    (dict(data=2, fsdp=4), 2, ()),                                # 2 rows over 8: rows whole
+WHOLE_KV = dict(kv_heads=(), act_kv_heads=())
+
+
+@pytest.mark.parametrize('mesh, kv_heads, rules', [
+    (dict(data=2, tensor=4), 4, {}),                # rows and heads split
+    (dict(data=2, tensor=4), 2, WHOLE_KV),          # kv heads whole: each device takes its own
+    (dict(tensor=8), 2, WHOLE_KV),                  # one query head a device, 4 share a kv head
+    (dict(data=2, fsdp=4), 2, {}),                  # 2 rows over 8: rows whole
+    (dict(fsdp=4, tensor=2), 4, dict(batch=('data',), seq=('fsdp',))),  # 3 positions a device
 ])
-def test_sharded_attention_matches_numpy_reference(mesh, kv_heads, replicated):
-  """Attention on each device's rows and heads, wherever the rules put them."""
+def test_sharded_attention_matches_numpy_reference(mesh, kv_heads, rules):
+  """Attention on each device's rows, heads and positions, wherever the rules put them."""
   cfg = small_config(**mesh)
   cfg.model.update(num_kv_heads=kv_heads, init_std=0.3)
-  for name in replicated:
-    cfg.sharding.rules[name] = ()
+  cfg.sharding.rules.update(rules)
   device_mesh = make_mesh(resolve_mesh(cfg.mesh, 8))
   with sharding_context(device_mesh, cfg.sharding.rules):
     attn = Attention(cfg.model, nnx.Rngs(1))
@@ -222,6 +226,32 @@ def test_packed_rows_give_the_loss_of_one_document_per_row(one_device):
   (packed_sum, packed_tokens), (ref_sum, ref_tokens) = loss_fn(packed), loss_fn(one_per_row)
   assert packed_tokens == ref_tokens == sum(len(d) - 1 for d in documents)
   np.testing.assert_allclose(packed_sum, ref_sum, rtol=1e-5)
+
+
+def test_packed_rows_split_over_the_sequence_give_one_device_loss():
+  """Context parallelism (rules.seq over fsdp=4, with tensor=2): each device holds 4 of a
+  packed row's 16 positions, yet the loss and its gradients are one device's on the same
+  rows, and the loss of one document per row (the reference of the test above)."""
+  rng = np.random.default_rng(0)
+  documents = [rng.integers(0, 256, n) for n in (5, 9, 3, 7, 4, 11, 6, 2)]
+  packed = _pack(documents, rows=4, length=16)
+  one_per_row = {k: np.concatenate([_pack([d], rows=1, length=16)[k] for d in documents])
+                 for k in packed}
+  with sharding_context(make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), jax.devices()[:1]),
+                        default_config().sharding.rules):
+    graphdef, params = nnx.split(_model_and_tokens()[0])
+    loss_and_grads = jax.jit(jax.value_and_grad(
+        lambda p, b: loss_terms(graphdef, p, b)[1][0]))
+    want_loss, want_grads = loss_and_grads(params, packed)
+    alone_loss, _ = loss_and_grads(params, one_per_row)
+  cfg = small_config(fsdp=4, tensor=2)
+  cfg.sharding.rules.update(batch=('data',), seq=('fsdp',))
+  with sharding_context(make_mesh(resolve_mesh(cfg.mesh, 8)), cfg.sharding.rules):
+    got_loss, got_grads = loss_and_grads(jax.device_get(params), packed)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  np.testing.assert_allclose(got_loss, alone_loss, rtol=1e-5)
+  for got, want in paired_leaves(got_grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_no_token_attends_across_documents(one_device):

@@ -10,26 +10,36 @@ import pytest
 from conftest import (assert_params_close, leaf_paths, paired_leaves, small_config,
                       step_gradients, text_config)
 from jaxllm import hlo
-from jaxllm.config import resolve_mesh
+from jaxllm.config import ConfigError, resolve_mesh
 from jaxllm.data import make_batches
 from jaxllm.data.sources import resolve_files
 from jaxllm.mesh import make_mesh, sharding_context
 from jaxllm.train import setup, train
 
-RUNS = {  # mesh, micro-batches
-    'data8': (dict(data=8), 1),
-    'fsdp8': (dict(fsdp=8), 1),
-    'tensor4_data2': (dict(tensor=4, data=2), 1),
-    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), 1),
-    'data2_fsdp2_tensor2_micro2': (dict(data=2, fsdp=2, tensor=2), 2),
+SEQUENCE_PARALLEL = dict(act_seq=('tensor',))
+CONTEXT_PARALLEL = dict(batch=('data',), seq=('fsdp',))
+RUNS = {  # mesh, micro-batches, rules changed
+    'data8': (dict(data=8), 1, {}),
+    'fsdp8': (dict(fsdp=8), 1, {}),
+    'tensor4_data2': (dict(tensor=4, data=2), 1, {}),
+    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), 1, {}),
+    'data2_fsdp2_tensor2_micro2': (dict(data=2, fsdp=2, tensor=2), 2, {}),
+    # 4 K/V heads over tensor=8: each is replicated over the 2 devices whose query heads use it
+    'tensor8_shared_kv_heads': (dict(tensor=8), 1, {}),
+    'sequence_parallel': (dict(data=2, fsdp=2, tensor=2), 1, SEQUENCE_PARALLEL),
+    'context_parallel_fsdp4_tensor2': (dict(fsdp=4, tensor=2), 1, CONTEXT_PARALLEL),
+    'context_and_sequence_parallel_micro2': (dict(data=2, fsdp=2, tensor=2), 2,
+                                             {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
 }
 
 
-@pytest.mark.parametrize('mesh, micro_batches', RUNS.values(), ids=RUNS.keys())
-def test_mesh_trains_like_one_device(mesh, micro_batches, corpus, one_device_run):
+@pytest.mark.parametrize('mesh, micro_batches, rules', RUNS.values(), ids=RUNS.keys())
+def test_mesh_trains_like_one_device(mesh, micro_batches, rules, corpus, one_device_run):
+  """Three steps on packed text rows: losses, gradient norms and parameters as on one device."""
   ref_params, ref_losses, ref_norms = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.train.micro_batches = micro_batches
+  cfg.sharding.rules.update(rules)
   state, history = train(cfg)
   losses = [row['loss'] for row in history]
   assert len(losses) == 3 and losses[-1] < losses[0]
@@ -228,3 +238,29 @@ def test_zero_without_a_data_axis_is_a_note(capsys):
   assert 'note: sharding.zero=1 splits over the data axis, but mesh.data=1' in capsys.readouterr().out
   mu = run.state.opt_state[1][0].mu['embed_VD'][...]
   assert mu.sharding.spec == jax.P('tensor', 'fsdp')
+
+
+def test_fewer_kv_heads_than_tensor_are_replicated_over_it():
+  """4 K/V heads over tensor=8: the K/V weights are kept whole over tensor (split over fsdp
+  as before), the query heads split; 3 K/V heads over tensor=2 can be neither and are an error."""
+  cfg = small_config(fsdp=1, tensor=8)
+  run = setup(cfg, jax.devices())
+  attn = run.state.params['blocks']['attn']
+  assert attn['wq_DNH'][...].sharding.spec == jax.P('pipe', 'fsdp', 'tensor', None)
+  assert attn['wk_DKH'][...].sharding.spec == jax.P('pipe', 'fsdp', None, None)
+  cfg = small_config(data=4, tensor=2)
+  cfg.model.update(num_heads=6, num_kv_heads=3)
+  with pytest.raises(ConfigError, match='model.num_kv_heads=3 does not split evenly'):
+    setup(cfg, jax.devices())
+
+
+@pytest.mark.parametrize('rules, message', [
+    (dict(act_seq=('tensor',)), "sharding.rules.act_seq=('tensor',) splits the sequence over "
+                                'axes of size 1'),
+    (CONTEXT_PARALLEL, "sharding.rules.seq=('fsdp',) splits the sequence over axes of size 1"),
+])
+def test_a_sequence_split_over_nothing_is_a_note(rules, message, capsys):
+  cfg = small_config(data=2)
+  cfg.sharding.rules.update(rules)
+  setup(cfg, jax.devices()[:2])
+  assert f'note: {message}' in capsys.readouterr().out
