@@ -18,6 +18,7 @@ it), compiling from shapes alone (`jaxllm.analyze.compile_step`); `--steps 0` sk
 run. Bad input stops with one line (`error: ...`) and exit status 2.
 """
 
+import copy
 import gc
 import importlib.metadata
 import itertools
@@ -58,7 +59,7 @@ LOSS_RTOL = {'float32': 1e-4, 'bfloat16': 1e-2}
 def benchmark_config(cfg: ConfigDict, keep_data: bool) -> ConfigDict:
   """The config as benchmarked: no evaluation, no checkpoints; a synthetic batch by default
   (it costs no input time, and every step sees the same shapes)."""
-  cfg = ConfigDict(cfg)
+  cfg = copy.deepcopy(cfg)
   cfg.eval.every = 0
   cfg.checkpoint.dir = ''
   if not keep_data:
@@ -134,7 +135,7 @@ def largest(cfg: ConfigDict, memory_bytes: float, cap: int,
   rows = []
   for policy in policies:
     def peak_of(layers, policy=policy):
-      c = ConfigDict(cfg)
+      c = copy.deepcopy(cfg)
       c.model.update(remat=policy, num_layers=layers)
       c.mesh.update(data=1, fsdp=1, pipe=1, tensor=1)
       try:
@@ -145,7 +146,7 @@ def largest(cfg: ConfigDict, memory_bytes: float, cap: int,
         raise
 
     layers, peak = search_layers(peak_of, lambda p: p <= memory_bytes, cap)
-    c = ConfigDict(cfg.model)
+    c = copy.deepcopy(cfg.model)
     c.num_layers = layers
     rows.append((policy, layers, metrics.param_counts(c)['total'] if layers else 0, peak))
   return rows

@@ -1,17 +1,21 @@
-"""The GPU's program beside the CPU compiler's, for one model on several meshes.
+"""The GPU's program beside the CPU compiler's, for one model on several meshes and splits.
 
     python benchmarks/programs.py --config configs/llama3_8b.py --devices 64 \
         --mesh fsdp=64 --mesh data=8,fsdp=8 [--compilers gpu,cpu] [--hardware h100-nvlink] \
-        [--config.a.b=v ...]
+        [--splits none,zero1,zero2,sp,cp,cp_sp] [--config.a.b=v ...]
 
 Compiles the train step from shapes alone with each compiler: for the profile's GPU (the
 program it would run, made without one) and with the CPU compiler on simulated devices. Prints
-one row per mesh and compiler: state and peak memory per device and the verdict against what a
-process may use, the bytes each mesh axis moves per step by element type beside the analytic
-figure, attention, and the predicted step time and MFU, all as `jaxllm.analyze` computes them.
+one row per mesh, split and compiler: state, temporary and peak memory per device and the
+verdict against what a process may use, the bytes each mesh axis moves per step by element
+type beside the analytic figure, attention, and the predicted step time and MFU, all as
+`jaxllm.analyze` computes them. The splits (`SPLITS`) are config choices on the same model:
+ZeRO over data, sequence parallelism over tensor, context parallelism over fsdp. (K/V heads
+fewer than mesh.tensor are replicated over it in every split.)
 """
 
 import collections
+import copy
 import math
 import sys
 
@@ -27,6 +31,32 @@ from jaxllm.hardware import hardware_profile
 # --devices, --hardware and --device-memory are analyze's.
 _MESH = flags.DEFINE_multi_string('mesh', [], 'A mesh, e.g. data=8,fsdp=8 (axes not named: 1).')
 _COMPILERS = flags.DEFINE_list('compilers', ['gpu', 'cpu'], 'Whose programs: gpu, cpu.')
+
+SEQUENCE_PARALLEL = {'sharding.rules.act_seq': ('tensor',)}
+CONTEXT_PARALLEL = {'sharding.rules.batch': ('data',), 'sharding.rules.seq': ('fsdp',)}
+SPLITS = {  # name: (what the row says, the config fields it sets)
+    'none': ('', {}),
+    'zero1': ('ZeRO-1', {'sharding.zero': 1}),
+    'zero2': ('ZeRO-2', {'sharding.zero': 2}),
+    'sp': ('sequence parallel (tensor)', SEQUENCE_PARALLEL),
+    'cp': ('context parallel (fsdp)', CONTEXT_PARALLEL),
+    'cp_sp': ('context (fsdp) + sequence (tensor) parallel',
+              {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
+}
+_SPLITS = flags.DEFINE_list('splits', ['none'], f'Which splits of each mesh: {", ".join(SPLITS)}.')
+
+
+def with_split(cfg: ConfigDict, mesh: dict[str, int], split: str) -> ConfigDict:
+  """`cfg` on `mesh`, with the fields of SPLITS[split] set."""
+  cfg = copy.deepcopy(cfg)
+  cfg.mesh.update(mesh)
+  for path, value in SPLITS[split][1].items():
+    *sections, name = path.split('.')
+    node = cfg
+    for section in sections:
+      node = node[section]
+    node[name] = value
+  return cfg
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -68,6 +98,9 @@ def main(argv: list[str]) -> None:
   meshes = [parse_mesh(m) for m in _MESH.value]
   if not meshes:
     raise ConfigError('--mesh is required: one or more meshes, e.g. --mesh fsdp=8.')
+  unknown = [s for s in _SPLITS.value if s not in SPLITS]
+  if unknown:
+    raise ConfigError(f'--splits names unknown splits {unknown}; use {", ".join(SPLITS)}.')
   n = analyze.DEVICES.value
   for text, mesh in zip(_MESH.value, meshes):
     if math.prod(mesh.values()) != n:
@@ -84,22 +117,22 @@ def main(argv: list[str]) -> None:
         f'remat {m.remat}, attention {m.attention}; global batch {cfg.train.global_batch} × '
         f'{cfg.data.seq_len} tokens, {cfg.train.micro_batches} micro-batch(es); {n} × '
         f'{hardware.name}, jax {jax.__version__}')
-  print('| mesh | program | params + optimizer | peak | fits | bytes per axis (ratio to '
-        'analytic) | attention | predicted step | predicted MFU (full / causal) |')
-  print('|---|---|---:|---:|---|---|---|---:|---:|')
+  print('| mesh | program | params + optimizer | temporaries | peak | fits | bytes per axis '
+        '(ratio to analytic) | attention | predicted step | predicted MFU (full / causal) |')
+  print('|---|---|---:|---:|---:|---|---|---|---:|---:|')
   for mesh in meshes:
-    for compiler in _COMPILERS.value:
-      c = ConfigDict(cfg)
-      c.mesh.update(mesh)
-      r = analyze.analyze(c, hardware, devices[compiler]())
-      mem, pr = r['memory'], r['prediction']
-      name = ' × '.join(f'{a}={s}' for a, s in mesh.items() if s > 1) or 'one device'
-      print(f'| {name} | {compiler.upper()} | '
-            f'{analyze.size_text(mem["params"] + mem["optimizer"])} | '
-            f'{analyze.size_text(mem["peak"])} | {"yes" if r["fits"] else "no"} | '
-            f'{per_axis_text(r)} | {attention_text(r)} | '
-            f'{analyze.seconds_text(pr["step_s"])} | {pr["mfu"]:.1%} / {pr["mfu_causal"]:.1%} |',
-            flush=True)
+    for split in _SPLITS.value:
+      for compiler in _COMPILERS.value:
+        r = analyze.analyze(with_split(cfg, mesh, split), hardware, devices[compiler]())
+        mem, pr = r['memory'], r['prediction']
+        name = ' × '.join(f'{a}={s}' for a, s in mesh.items() if s > 1) or 'one device'
+        name += f', {SPLITS[split][0]}' if SPLITS[split][0] else ''
+        print(f'| {name} | {compiler.upper()} | '
+              f'{analyze.size_text(mem["params"] + mem["optimizer"])} | '
+              f'{analyze.size_text(mem["temporaries"])} | {analyze.size_text(mem["peak"])} | '
+              f'{"yes" if r["fits"] else "no"} | {per_axis_text(r)} | {attention_text(r)} | '
+              f'{analyze.seconds_text(pr["step_s"])} | '
+              f'{pr["mfu"]:.1%} / {pr["mfu_causal"]:.1%} |', flush=True)
 
 
 if __name__ == '__main__':

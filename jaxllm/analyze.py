@@ -15,6 +15,7 @@ plugin) compiles for N GPUs on a machine that has none (`jaxllm.backends.gpu_dev
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import json
@@ -94,7 +95,7 @@ def shard_bytes(tree) -> int:
 def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
   """The train step compiled ahead of time from abstract state and batch shapes, for
   `devices` (default: those present): CPU devices, or a GPU's (`backends.gpu_devices`)."""
-  cfg = ConfigDict(cfg)  # our own copy: the attention fallback below must not leak back
+  cfg = copy.deepcopy(cfg)  # our own: the attention fallback below must not leak back
   devices = jax.devices() if devices is None else devices
   cfg.model.attention = available_attention(cfg.model, devices[0].platform)
   mesh_shape = resolve_mesh(cfg.mesh, len(devices))

@@ -163,7 +163,8 @@ def check_divisible(abstract_state, mesh: jax.sharding.Mesh) -> None:
       if dim % parts:
         field = AXIS_FIELDS.get(name, f'the {name!r} axis')
         split = '×'.join(f'{a}={mesh.shape[a]}' for a in axes)
+        shared = ' (or a divisor of it: K/V heads are then replicated)' if name == 'kv_heads' else ''
         raise ConfigError(
             f'{field}={dim} does not split evenly over {split} (sharding.rules.{name}, '
-            f'parameter {jax.tree_util.keystr(path)}); make it a multiple of {parts} '
+            f'parameter {jax.tree_util.keystr(path)}); make it a multiple of {parts}{shared} '
             f'or change the mesh or sharding.rules.{name}.')

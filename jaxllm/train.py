@@ -6,6 +6,7 @@ Wires config, mesh, model, data and step together; no math lives here.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import signal
@@ -54,7 +55,7 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   `devices`: the devices to run on (default: all of them). With a `workdir` (or
   `checkpoint.dir`) the run has checkpoints, and the state resumes from the newest.
   """
-  cfg = ConfigDict(cfg)  # our own copy: resolving fallbacks below must not leak back
+  cfg = copy.deepcopy(cfg)  # our own: resolving fallbacks below must not leak back
   devices = jax.devices() if devices is None else devices
   mesh_shape = resolve_mesh(cfg.mesh, len(devices))
   validate(cfg, mesh_shape)

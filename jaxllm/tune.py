@@ -10,6 +10,7 @@ prediction.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 
@@ -45,7 +46,7 @@ def candidates(cfg: ConfigDict, devices: int, remats, micro_batches):
   """(config, reason) for every combination: reason is None when the config is valid."""
   for sizes, remat, micro in itertools.product(factorisations(devices, len(MESH_AXES)),
                                                remats, micro_batches):
-    c = ConfigDict(cfg)
+    c = copy.deepcopy(cfg)  # each candidate its own (validate may change its rules)
     c.mesh.update(dict(zip(MESH_AXES, sizes)))
     c.model.remat, c.train.micro_batches = remat, micro
     if c.mesh.pipe > 1:

@@ -245,6 +245,7 @@ def test_fewer_kv_heads_than_tensor_are_replicated_over_it():
   as before), the query heads split; 3 K/V heads over tensor=2 can be neither and are an error."""
   cfg = small_config(fsdp=1, tensor=8)
   run = setup(cfg, jax.devices())
+  assert cfg.sharding.rules.kv_heads == ('tensor',)  # the run's copy changed, not the caller's
   attn = run.state.params['blocks']['attn']
   assert attn['wq_DNH'][...].sharding.spec == jax.P('pipe', 'fsdp', 'tensor', None)
   assert attn['wk_DKH'][...].sharding.spec == jax.P('pipe', 'fsdp', None, None)
