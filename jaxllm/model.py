@@ -149,32 +149,56 @@ def cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: LayerCache):
                                       implementation='xla')
 
 
-def project(spec: str, x, w, grad_dtype, out_dtype=None):
+def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None):
   """`jnp.einsum(spec, x, w)` on x's dtype, w cast to it first (so an fsdp gather moves that
   dtype), giving `out_dtype` (default x's). The backward runs both matmuls on x's dtype too and
   makes w's gradient in `grad_dtype`: the gradient is summed over the devices that split the
   batch straight out of its matmul, so this is the element type of that reduction.
-  The output is named 'projection' for the remat policies (REMAT)."""
+  The output is named 'projection' for the remat policies (REMAT).
+
+  `w_names`, w's logical axes: where the sequence is split over an axis that also splits w
+  (context parallelism over fsdp), w is gathered over it for the matmul, as fsdp gathers
+  weights; left to itself XLA may gather the activations instead, a whole sequence each."""
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  return checkpoint_name(_project(spec, jnp.dtype(grad_dtype), out_dtype, x, w), 'projection')
+  gathered = _gathered_over_sequence(w_names) if w_names else None
+  return checkpoint_name(_project(spec, jnp.dtype(grad_dtype), out_dtype, gathered, x, w),
+                         'projection')
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _project(spec, grad_dtype, out_dtype, x, w):
-  return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
+def _gathered_over_sequence(w_names) -> P | None:
+  """The layout of a weight with logical axes `w_names` whole over the mesh axes that split
+  the sequence; None where none of them splits it."""
+  seq_axes = set(spec_axes(logical_spec('seq')[0]))
+  spec = logical_spec(*w_names)
+  if not seq_axes & {a for entry in spec for a in spec_axes(entry)}:
+    return None
+  return keep_axes(spec, set(jax.sharding.get_abstract_mesh().axis_names) - seq_axes)
 
 
-def _project_fwd(spec, grad_dtype, out_dtype, x, w):
-  return _project(spec, grad_dtype, out_dtype, x, w), (x, w)
+def _in_compute_layout(w, x_dtype, gathered):
+  w = w.astype(x_dtype)
+  return w if gathered is None else jax.lax.with_sharding_constraint(w, gathered)
 
 
-def _project_bwd(spec, grad_dtype, out_dtype, residuals, g):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _project(spec, grad_dtype, out_dtype, gathered, x, w):
+  return jnp.einsum(spec, x, _in_compute_layout(w, x.dtype, gathered),
+                    preferred_element_type=out_dtype)
+
+
+def _project_fwd(spec, grad_dtype, out_dtype, gathered, x, w):
+  return _project(spec, grad_dtype, out_dtype, gathered, x, w), (x, w)
+
+
+def _project_bwd(spec, grad_dtype, out_dtype, gathered, residuals, g):
   x, w = residuals
   x_axes, rest = spec.split(',')
   w_axes, out_axes = rest.split('->')
   g = g.astype(x.dtype)
-  dx = jnp.einsum(f'{out_axes},{w_axes}->{x_axes}', g, w.astype(x.dtype))
+  dx = jnp.einsum(f'{out_axes},{w_axes}->{x_axes}', g, _in_compute_layout(w, x.dtype, gathered))
   dw = jnp.einsum(f'{x_axes},{out_axes}->{w_axes}', x, g, preferred_element_type=grad_dtype)
+  if gathered is not None:  # each device's positions' share, summed (and split) afterwards
+    dw = jax.lax.with_sharding_constraint(dw, gathered)
   return dx, dw.astype(w.dtype)
 
 
@@ -197,10 +221,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
     """The attention output; with a `cache` (decoding), also the new tokens' keys and values."""
-    mm = lambda spec, x, p: project(spec, x, p[...], self.cfg.grad_reduce_dtype)
-    q_BTNH = mm('btd,dnh->btnh', x_BTD, self.wq_DNH)
-    k_BTKH = mm('btd,dkh->btkh', x_BTD, self.wk_DKH)
-    v_BTKH = mm('btd,dkh->btkh', x_BTD, self.wv_DKH)
+    mm = lambda spec, x, p, names: project(spec, x, p[...], self.cfg.grad_reduce_dtype,
+                                           w_names=names)
+    q_BTNH = mm('btd,dnh->btnh', x_BTD, self.wq_DNH, ('embed', 'heads', 'head_dim'))
+    k_BTKH = mm('btd,dkh->btkh', x_BTD, self.wk_DKH, ('embed', 'kv_heads', 'head_dim'))
+    v_BTKH = mm('btd,dkh->btkh', x_BTD, self.wv_DKH, ('embed', 'kv_heads', 'head_dim'))
     # Names for the remat policies that keep some activations (REMAT).
     q_BTNH = checkpoint_name(constrain(q_BTNH, 'batch', 'seq', 'act_heads', None), 'q_proj')
     k_BTKH = checkpoint_name(constrain(k_BTKH, 'batch', 'seq', 'act_kv_heads', None), 'k_proj')
@@ -216,7 +241,7 @@ class Attention(nnx.Module):
     o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
     if self.cfg.attention != 'cudnn':  # cuDNN's output is kept as the kernel's (REMAT)
       o_BTNH = checkpoint_name(o_BTNH, 'attention')
-    out_BTD = mm('btnh,nhd->btd', o_BTNH, self.wo_NHD)
+    out_BTD = mm('btnh,nhd->btd', o_BTNH, self.wo_NHD, ('heads', 'head_dim', 'embed'))
     return out_BTD if cache is None else (out_BTD, (k_BTKH, v_BTKH))
 
 
@@ -234,11 +259,12 @@ class MLP(nnx.Module):
     self.grad_reduce_dtype = cfg.grad_reduce_dtype
 
   def __call__(self, x_BTD):
-    mm = lambda spec, x, p: project(spec, x, p[...], self.grad_reduce_dtype)
-    gate_BTF = mm('btd,df->btf', x_BTD, self.w_gate_DF)
-    up_BTF = mm('btd,df->btf', x_BTD, self.w_up_DF)
+    mm = lambda spec, x, p, names: project(spec, x, p[...], self.grad_reduce_dtype,
+                                           w_names=names)
+    gate_BTF = mm('btd,df->btf', x_BTD, self.w_gate_DF, ('embed', 'mlp'))
+    up_BTF = mm('btd,df->btf', x_BTD, self.w_up_DF, ('embed', 'mlp'))
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, 'batch', 'seq', 'act_mlp')
-    return mm('btf,fd->btd', h_BTF, self.w_down_FD)
+    return mm('btf,fd->btd', h_BTF, self.w_down_FD, ('mlp', 'embed'))
 
 
 # The residual stream between the blocks' matmuls, and its norms: the sequence split as the
