@@ -526,10 +526,10 @@ def test_context_parallelism_gathers_keys_and_values_over_fsdp(tiny_split):
 
 def test_context_and_sequence_parallelism_together_move_what_each_does_alone(tiny_split):
   """Both splits at once: fsdp carries context parallelism's bytes and tensor sequence
-  parallelism's, within 2%. Over fsdp × tensor at once moves only the embedding's gradient,
-  which the lookup takes for whole rows (7% of the fsdp bytes). (Left to itself XLA gathered
-  whole sequences over both instead of the projections' weights: 2.7× the fsdp bytes, 2.3×
-  the tensor bytes, and 3.2 MiB over fsdp × tensor, 17× today's.)"""
+  parallelism's, within 2%; over fsdp × tensor at once only the norm scales' gradients are
+  summed. (Left to itself XLA gathered whole sequences over both instead of the projections'
+  weights: 2.7× the fsdp bytes, 2.3× the tensor bytes and 3.2 MiB over fsdp × tensor; and
+  an embedding lookup of whole rows had its gradient gathered over both, 0.2 MiB.)"""
   both = tiny_split(**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL)
 
   def bytes_over(c):
@@ -542,4 +542,4 @@ def test_context_and_sequence_parallelism_together_move_what_each_does_alone(tin
       bytes_over(tiny_split(**CONTEXT_PARALLEL))[('fsdp',)], rel=0.02)
   assert both_bytes[('tensor',)] == pytest.approx(
       bytes_over(tiny_split(**SEQUENCE_PARALLEL))[('tensor',)], rel=0.02)
-  assert both_bytes[('fsdp', 'tensor')] < 0.1 * both_bytes[('fsdp',)]
+  assert both_bytes[('fsdp', 'tensor')] < 0.01 * both_bytes[('fsdp',)]

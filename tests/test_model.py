@@ -386,6 +386,10 @@ def test_projection_gradients_match_autodiff(spec, one_device):
     (dict(fsdp=4, tensor=2), {'vocab': ('tensor', 'fsdp'), 'embed': ()}, 8),
     (dict(data=2, fsdp=2, tensor=2), {'vocab': (), 'embed': ('tensor', 'fsdp')}, 8),
     (dict(data=2, fsdp=2, tensor=2), {'vocab': ('data',), 'embed': ('fsdp', 'tensor')}, 8),
+    # positions split too (context parallelism): over the columns' axis, over the rows'
+    (dict(data=2, fsdp=2, tensor=2), {'batch': ('data',), 'seq': ('fsdp',)}, 8),
+    (dict(data=2, fsdp=2, tensor=2), {'batch': ('data',), 'seq': ('fsdp',), 'vocab': ('fsdp',),
+                                      'embed': ('tensor',)}, 8),
 ])
 def test_embedding_lookup_matches_the_whole_table(mesh, rules, rows):
   """Rows looked up where the table is split give the whole table's rows and its gradient."""
