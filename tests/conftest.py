@@ -154,6 +154,18 @@ def corpus(tmp_path_factory) -> str:
   return str(root)
 
 
+@pytest.fixture(scope='session')
+def short_documents(tmp_path_factory) -> str:
+  """Documents of 1 to 4 short words: packed into 32-token rows, every row holds several, so
+  attention's document masks matter."""
+  root = tmp_path_factory.mktemp('short_documents')
+  words = 'a row of many small docs set end to end'.split()
+  for i in range(60):
+    (root / f'doc{i:02d}.txt').write_text(
+        ' '.join(words[(i + j) % len(words)] for j in range(1 + i % 4)) + '\n')
+  return str(root)
+
+
 def run_cli(*args, module='jaxllm.train', timeout=300):
   """Runs `python -m <module> ...` in a fresh process from the repository root."""
   return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO,
