@@ -35,7 +35,7 @@ RUNS = {  # mesh, micro-batches, rules changed
 
 @pytest.mark.parametrize('mesh, micro_batches, rules', RUNS.values(), ids=RUNS.keys())
 def test_mesh_trains_like_one_device(mesh, micro_batches, rules, corpus, one_device_run):
-  """Three steps on packed text rows: losses, gradient norms and parameters as on one device."""
+  """Three steps on text rows: losses, gradient norms and parameters as on one device."""
   ref_params, ref_losses, ref_norms = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.train.micro_batches = micro_batches
