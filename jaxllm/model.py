@@ -319,8 +319,9 @@ def sharded_lookup(table_VD, tokens_BT, dtype):
 
   Each device looks up, in its own block of vocabulary rows and embedding columns, the tokens
   of every device that shares that block with it; the pieces are then summed over the vocabulary
-  split and handed back to the devices whose batch rows (and positions) they are. Traffic is B·T·D, not V·D,
-  and the gradient is a scatter-add into each device's block: no dense [V, D] reduction.
+  split and handed back to the devices whose rows (and positions) they are. Traffic is B·T·D,
+  not V·D, and the gradient is a scatter-add into each device's block: no dense [V, D]
+  reduction.
   Rows are cast to `dtype` after the lookup, so they move in it and the gradient is added into
   the table in the table's own dtype.
   """
@@ -536,9 +537,9 @@ def sharded_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, impl
       q_spec, kv_spec = P(*q_spec[:2], None, None), P(*kv_spec[:2], None, None)
   rows, key_rows = P(*q_spec[:2]), P(kv_spec[0], None)
   segments = (None, None) if segment_ids_BT is None else (rows, key_rows)
-  return jax.shard_map(
-      attend, in_specs=(q_spec, kv_spec, kv_spec, rows, key_rows, *segments), out_specs=q_spec, axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
-      check_vma=False)(*args)
+  return jax.shard_map(attend, in_specs=(q_spec, kv_spec, kv_spec, rows, key_rows, *segments),
+                       out_specs=q_spec, axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
+                       check_vma=False)(*args)
 
 
 def _attend_split_queries(q_BTNH, k_BSKH, v_BSKH, positions_BT, key_positions_BS,

@@ -24,12 +24,17 @@ RUNS = {  # mesh, micro-batches, rules changed
     'tensor4_data2': (dict(tensor=4, data=2), 1, {}),
     'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), 1, {}),
     'data2_fsdp2_tensor2_micro2': (dict(data=2, fsdp=2, tensor=2), 2, {}),
+    'context_and_sequence_parallel_micro2': (dict(data=2, fsdp=2, tensor=2), 2,
+                                             {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
+}
+# The splits one at a time, each gradient tensor against one device's
+# (`test_split_gradients_match_one_device`); three steps of all of them together above.
+SPLITS = {
     # 4 K/V heads over tensor=8: each is replicated over the 2 devices whose query heads use it
     'tensor8_shared_kv_heads': (dict(tensor=8), 1, {}),
     'sequence_parallel': (dict(data=2, fsdp=2, tensor=2), 1, SEQUENCE_PARALLEL),
     'context_parallel_fsdp4_tensor2': (dict(fsdp=4, tensor=2), 1, CONTEXT_PARALLEL),
-    'context_and_sequence_parallel_micro2': (dict(data=2, fsdp=2, tensor=2), 2,
-                                             {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
+    'context_and_sequence_parallel_micro2': RUNS['context_and_sequence_parallel_micro2'],
 }
 
 
@@ -83,13 +88,7 @@ def one_device_gradients(short_documents):
   return step_gradients(cfg, jax.devices()[:1])
 
 
-SPLIT_GRADIENTS = {k: RUNS[k] for k in ('tensor8_shared_kv_heads', 'sequence_parallel',
-                                        'context_parallel_fsdp4_tensor2',
-                                        'context_and_sequence_parallel_micro2')}
-
-
-@pytest.mark.parametrize('mesh, micro_batches, rules', SPLIT_GRADIENTS.values(),
-                         ids=SPLIT_GRADIENTS.keys())
+@pytest.mark.parametrize('mesh, micro_batches, rules', SPLITS.values(), ids=SPLITS.keys())
 def test_split_gradients_match_one_device(mesh, micro_batches, rules, short_documents,
                                           one_device_gradients):
   """Each gradient tensor of the first step, not only their norm, as one device's: fp32,
