@@ -29,12 +29,15 @@ RUNS = {  # mesh, micro-batches, rules changed
 }
 # The splits one at a time, each gradient tensor against one device's
 # (`test_split_gradients_match_one_device`); three steps of all of them together above.
-SPLITS = {
+SPLITS = {  # mesh, micro-batches, rules changed, model fields changed
     # 4 K/V heads over tensor=8: each is replicated over the 2 devices whose query heads use it
-    'tensor8_shared_kv_heads': (dict(tensor=8), 1, {}),
-    'sequence_parallel': (dict(data=2, fsdp=2, tensor=2), 1, SEQUENCE_PARALLEL),
-    'context_parallel_fsdp4_tensor2': (dict(fsdp=4, tensor=2), 1, CONTEXT_PARALLEL),
-    'context_and_sequence_parallel_micro2': RUNS['context_and_sequence_parallel_micro2'],
+    'tensor8_shared_kv_heads': (dict(tensor=8), 1, {}, {}),
+    # 1 K/V head over tensor=2, beside data and fsdp
+    'one_kv_head_data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), 1, {},
+                                        dict(num_kv_heads=1)),
+    'sequence_parallel': (dict(data=2, fsdp=2, tensor=2), 1, SEQUENCE_PARALLEL, {}),
+    'context_parallel_fsdp4_tensor2': (dict(fsdp=4, tensor=2), 1, CONTEXT_PARALLEL, {}),
+    'context_and_sequence_parallel_micro2': (*RUNS['context_and_sequence_parallel_micro2'], {}),
 }
 
 
@@ -80,21 +83,30 @@ def test_bf16_mesh_gradients_match_one_device(corpus):
 
 @pytest.fixture(scope='module')
 def one_device_gradients(short_documents):
-  """The first step's loss and gradients of `text_config` on rows of several documents, on
-  one device (fp32)."""
-  cfg = text_config(short_documents)
-  first = next(iter(setup(cfg, jax.devices()[:1]).batches))
-  assert (np.asarray(first['segment_ids']).max(axis=1) > 1).all()  # documents meet in every row
-  return step_gradients(cfg, jax.devices()[:1])
+  """The first step's loss and gradients of `text_config` (with these model fields) on rows
+  of several documents, on one device (fp32); made once per model."""
+  made = {}
+
+  def gradients(**model):
+    key = tuple(sorted(model.items()))
+    if key not in made:
+      cfg = text_config(short_documents)
+      cfg.model.update(model)
+      first = next(iter(setup(cfg, jax.devices()[:1]).batches))
+      assert (np.asarray(first['segment_ids']).max(axis=1) > 1).all()  # documents meet in rows
+      made[key] = step_gradients(cfg, jax.devices()[:1])
+    return made[key]
+  return gradients
 
 
-@pytest.mark.parametrize('mesh, micro_batches, rules', SPLITS.values(), ids=SPLITS.keys())
-def test_split_gradients_match_one_device(mesh, micro_batches, rules, short_documents,
+@pytest.mark.parametrize('mesh, micro_batches, rules, model', SPLITS.values(), ids=SPLITS.keys())
+def test_split_gradients_match_one_device(mesh, micro_batches, rules, model, short_documents,
                                           one_device_gradients):
   """Each gradient tensor of the first step, not only their norm, as one device's: fp32,
   within 1e-5 of its largest element, on rows packed with several documents."""
-  ref_loss, ref_grads = one_device_gradients
+  ref_loss, ref_grads = one_device_gradients(**model)
   cfg = text_config(short_documents, **mesh)
+  cfg.model.update(model)
   cfg.train.micro_batches = micro_batches
   cfg.sharding.rules.update(rules)
   loss, grads = step_gradients(cfg)
