@@ -337,7 +337,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   if cfg.pipeline.microbatches < 0:
     raise ConfigError(f'pipeline.microbatches={cfg.pipeline.microbatches} must be at least 0 '
                       '(0: 2 × mesh.pipe).')
-  shards, split = batch_shards(cfg, mesh_shape), _batch_split(cfg, mesh_shape)
+  shards, split = batch_shards(cfg, mesh_shape), _batch_split(cfg)
   if t.global_batch % (shards * t.micro_batches):
     raise ConfigError(
         f'train.global_batch={t.global_batch} is not divisible by {split}×micro_batches = '
@@ -370,7 +370,7 @@ def batch_shards(cfg: ConfigDict, mesh_shape: dict[str, int]) -> int:
   return math.prod(mesh_shape[a] for a in rule_axes(cfg.sharding.rules.batch))
 
 
-def _batch_split(cfg: ConfigDict, mesh_shape: dict[str, int]) -> str:
+def _batch_split(cfg: ConfigDict) -> str:
   """The batch rule's axes for a message, e.g. 'data×fsdp'."""
   return '×'.join(rule_axes(cfg.sharding.rules.batch)) or 'one (sharding.rules.batch=())'
 
@@ -512,7 +512,7 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
     raise ConfigError(
         f'train.global_batch={cfg.train.global_batch} (÷ train.micro_batches='
         f'{cfg.train.micro_batches}) is not divisible by pipeline.microbatches×'
-        f'{_batch_split(cfg, mesh_shape)} = {M}×{shards}; make it a multiple of '
+        f'{_batch_split(cfg)} = {M}×{shards}; make it a multiple of '
         f'{M * shards * cfg.train.micro_batches} or change pipeline.microbatches.')
 
 
