@@ -536,5 +536,10 @@ def main(argv: list[str]) -> None:
     write_dump(_DUMP.value, compiled, r)
 
 
-if __name__ == '__main__':
+def cli() -> None:
+  """The `jaxllm-analyze` command (pyproject's console script): `python -m jaxllm.analyze`."""
   main_guard(main)
+
+
+if __name__ == '__main__':
+  cli()

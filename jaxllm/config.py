@@ -56,6 +56,10 @@ def default_config() -> ConfigDict:
   # XLA flags for the run (before any in the XLA_FLAGS environment variable, which win). The
   # latency-hiding scheduler lets GPU collectives overlap compute; CPUs ignore GPU flags.
   c.xla_flags = '--xla_gpu_enable_latency_hiding_scheduler=true'
+  # A training run keeps its compiled programs here, and the next run of the same programs
+  # reads them back instead of compiling. 'auto': jaxllm/compilation under the user's cache directory
+  # ($XDG_CACHE_HOME, else ~/.cache); '': no cache.
+  c.compilation_cache = 'auto'
 
   c.model = ConfigDict(dict(
       vocab_size=320,
@@ -227,6 +231,12 @@ def default_config() -> ConfigDict:
       heartbeat_timeout=100,   # seconds a process may go silent before the run stops with an error
   ))
 
+  # Where the rows of <workdir>/metrics.jsonl go besides (process 0 only).
+  c.metrics = ConfigDict(dict(
+      tensorboard=True,    # TensorBoard event files in <workdir>/tensorboard, and the config
+      wandb_project='',    # a Weights & Biases project to log to as well ('': none); `pip install wandb`
+  ))
+
   # A jax.profiler trace of steps start_step … start_step+steps-1 into <workdir>/profile.
   c.profile = ConfigDict(dict(
       start_step=0,        # the first step traced; 0: no trace. Past the first few, which warm up
@@ -277,6 +287,9 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(m.param_dtype, 'model.param_dtype', DTYPES)
   _choice(m.grad_reduce_dtype, 'model.grad_reduce_dtype', DTYPES)
   _validate_optim(cfg.optim)
+  if cfg.metrics.wandb_project and importlib.util.find_spec('wandb') is None:
+    raise ConfigError(f'metrics.wandb_project={cfg.metrics.wandb_project!r} needs the wandb '
+                      "package: pip install wandb (or set metrics.wandb_project='').")
   _choice(cfg.data.source, 'data.source', DATA_SOURCES)
   if cfg.sharding.zero not in ZERO_STAGES:
     raise ConfigError(f'sharding.zero={cfg.sharding.zero!r} is unknown; use 0 (off), 1 (optimizer '

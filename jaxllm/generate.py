@@ -366,5 +366,10 @@ def main(argv: list[str]) -> None:
     print(','.join(map(str, new_ids)))
 
 
-if __name__ == '__main__':
+def cli() -> None:
+  """The `jaxllm-generate` command (pyproject's console script): `python -m jaxllm.generate`."""
   main_guard(main)
+
+
+if __name__ == '__main__':
+  cli()

@@ -476,5 +476,10 @@ def main(argv: list[str]) -> None:
   print(f'exported {args.checkpoint} to {args.out}')
 
 
-if __name__ == '__main__':
+def cli() -> None:
+  """The `jaxllm-hf` command (pyproject's console script): `python -m jaxllm.hf`."""
   main_guard(main)
+
+
+if __name__ == '__main__':
+  cli()

@@ -10,6 +10,8 @@ import jax
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
+from jaxllm.config import ConfigError
+
 # Peak dense bf16 FLOP/s of one device, by a substring of `device.device_kind`.
 PEAK_FLOPS = {
     'H100 PCIe': 756e12,
@@ -52,29 +54,82 @@ def peak_flops(device, override: float = 0.0) -> float | None:
   return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
-class MetricsLog:
-  """Progress bar on a terminal, a line per logging interval, and `metrics.jsonl`."""
+class TensorBoard:
+  """TensorBoard event files: every number of every row as a scalar at the row's step, and
+  the config as text."""
 
-  def __init__(self, workdir: str | None, total_steps: int, enabled: bool = True):
+  def __init__(self, directory: str, config: ConfigDict):
+    from tensorboardX import SummaryWriter
+    try:
+      os.makedirs(directory, exist_ok=True)
+      self._writer = SummaryWriter(directory)
+    except OSError as e:
+      raise ConfigError(f'metrics.tensorboard: cannot write event files to {directory} '
+                        f'({e.strerror or e}); make it a writable directory, or set '
+                        'metrics.tensorboard=False.') from None
+    # Indented: TensorBoard shows text as Markdown, where that keeps the JSON as it is.
+    self._writer.add_text('config', '    ' + config.to_json(indent=2).replace('\n', '\n    '), 0)
+    self._writer.flush()
+
+  def write(self, row: dict) -> None:
+    for name, value in row.items():
+      if name != 'step':
+        self._writer.add_scalar(name, value, row['step'])
+    self._writer.flush()  # a row per logging interval: TensorBoard sees it at once
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+class WeightsAndBiases:
+  """A Weights & Biases run in `project`, named after the workdir, with the config."""
+
+  def __init__(self, project: str, workdir: str, config: ConfigDict):
+    import wandb  # config.validate has checked it is installed
+    self._run = wandb.init(project=project, name=os.path.basename(os.path.abspath(workdir)),
+                           config=config.to_dict(), dir=workdir)
+
+  def write(self, row: dict) -> None:
+    self._run.log({k: v for k, v in row.items() if k != 'step'}, step=row['step'])
+
+  def close(self) -> None:
+    self._run.finish()
+
+
+class MetricsLog:
+  """Progress bar on a terminal, a line per logging interval, and each row in
+  `metrics.jsonl`, TensorBoard and W&B as `config.metrics` asks (with a workdir)."""
+
+  def __init__(self, workdir: str | None, config: ConfigDict, enabled: bool = True):
     self.enabled = enabled
     self.file = None
+    self.writers = []
     if enabled and workdir:
       os.makedirs(workdir, exist_ok=True)
+      if config.metrics.tensorboard:
+        self.writers.append(TensorBoard(os.path.join(workdir, 'tensorboard'), config))
+      if config.metrics.wandb_project:
+        self.writers.append(WeightsAndBiases(config.metrics.wandb_project, workdir, config))
       self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
     # tqdm hides itself when stderr is not a terminal (logs, CI, subprocesses).
-    self.bar = tqdm(total=total_steps, disable=None if enabled else True, file=sys.stderr,
-                    dynamic_ncols=True, leave=False)
+    self.bar = tqdm(total=config.train.steps, disable=None if enabled else True,
+                    file=sys.stderr, dynamic_ncols=True, leave=False)
 
   def info(self, text: str) -> None:
     if self.enabled:
       tqdm.write(text, file=sys.stdout)
 
-  def write(self, row: dict, steps_done: int) -> None:
-    if not self.enabled:
-      return
+  def _record(self, row: dict) -> None:
     if self.file:
       self.file.write(json.dumps(row) + '\n')
       self.file.flush()
+    for writer in self.writers:
+      writer.write(row)
+
+  def write(self, row: dict, steps_done: int) -> None:
+    if not self.enabled:
+      return
+    self._record(row)
     self.bar.update(steps_done)
     self.bar.set_postfix(loss=f'{row["loss"]:.4f}')
     parts = [f'step {row["step"]}', f'loss {row["loss"]:.4f}', f'grad_norm {row["grad_norm"]:.3f}',
@@ -89,14 +144,14 @@ class MetricsLog:
   def write_eval(self, row: dict) -> None:
     if not self.enabled:
       return
-    if self.file:
-      self.file.write(json.dumps(row) + '\n')
-      self.file.flush()
+    self._record(row)
     tqdm.write(f'step {row["step"]}  eval_loss {row["eval_loss"]:.4f}  '
                f'eval_perplexity {row["eval_perplexity"]:.2f}', file=sys.stdout)
 
   def close(self) -> None:
     self.bar.close()
+    for writer in self.writers:
+      writer.close()
     if self.file:
       self.file.close()
 

@@ -23,7 +23,7 @@ from ml_collections import ConfigDict
 
 from jaxllm import distributed, hf, metrics
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
-from jaxllm.backends import start_backends
+from jaxllm.backends import counting_cache_hits, start_backends, use_compilation_cache
 from jaxllm.config import (TrainingError, batch_shards, main_guard, parse_command_line,
                            resolve_mesh, rule_axes, validate)
 from jaxllm.data import Streams, make_batches, make_eval_batches
@@ -286,7 +286,7 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
   one. Returns the final state and the logged training rows."""
   run = setup(cfg, devices, workdir)
   cfg, state = run.cfg, run.state
-  log = metrics.MetricsLog(workdir, cfg.train.steps, enabled=metrics.is_logging_process())
+  log = metrics.MetricsLog(workdir, cfg, enabled=metrics.is_logging_process())
   log.info(describe(cfg, run.mesh, run.pipeline, run.batches))
   log.info(f'state    {run.origin}')
   if workdir and metrics.is_logging_process():
@@ -348,9 +348,10 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
 
   batch = next(run.batches)
   start = time.perf_counter()
-  with sharding_context(run.mesh, cfg.sharding.rules):
+  with sharding_context(run.mesh, cfg.sharding.rules), counting_cache_hits() as hits:
     step_fn = run.train_step.lower(state, batch).compile()
-  log.info(f'compiled the train step in {time.perf_counter() - start:.1f}s')
+  log.info(f'compiled the train step in {time.perf_counter() - start:.1f}s' +
+           (' (cache hit)' if hits else ''))
 
   history, pending, last_saved = [], [], None
   pending_first = first  # the step of pending[0]
@@ -405,9 +406,15 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
 def main(argv: list[str]) -> None:
   cfg, workdir = parse_command_line(argv)
   start_backends(cfg)
+  use_compilation_cache(cfg.compilation_cache)
   with distributed.session(cfg.distributed):
     train(cfg, workdir)
 
 
-if __name__ == '__main__':
+def cli() -> None:
+  """The `jaxllm-train` command (pyproject's console script): `python -m jaxllm.train`."""
   main_guard(main)
+
+
+if __name__ == '__main__':
+  cli()

@@ -179,5 +179,10 @@ def main(argv: list[str]) -> None:
             f' per step, predicted {analyze.seconds_text(r["step_s"])} on {hardware.name}')
 
 
-if __name__ == '__main__':
+def cli() -> None:
+  """The `jaxllm-tune` command (pyproject's console script): `python -m jaxllm.tune`."""
   main_guard(main)
+
+
+if __name__ == '__main__':
+  cli()

@@ -1,9 +1,12 @@
 """Every test runs on 8 simulated CPU devices, so every mesh axis can be exercised; GPU
 programs are compiled for GPUs that are not there (`jaxllm.backends.gpu_devices`)."""
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,9 @@ from jaxllm.config import default_config
 _BACKENDS = default_config()
 _BACKENDS.cpu_devices = 8
 start_backends(_BACKENDS)  # as every command starts them
+# The commands tests run keep their compiled programs here, not in the user's cache.
+os.environ['XDG_CACHE_HOME'] = tempfile.mkdtemp(prefix='jaxllm-test-cache-')
+atexit.register(shutil.rmtree, os.environ['XDG_CACHE_HOME'], ignore_errors=True)
 
 from jaxllm import hlo  # noqa: E402
 from jaxllm.mesh import make_mesh, sharding_context  # noqa: E402

@@ -1,22 +1,54 @@
 """`python -m jaxllm.train` end to end, and the one-line errors bad input gets."""
 
+import importlib
+import importlib.machinery
+import importlib.metadata
 import json
 import math
 import os
+import re
+import subprocess
+import sys
+import sysconfig
+import types
 
+import numpy as np
 import pytest
 
-from conftest import run_cli, small_config
+from conftest import REPO, run_cli, small_config
 from jaxllm.config import ConfigError, validate
+from jaxllm.metrics import MetricsLog
 
 
-def test_tiny_config_trains_evaluates_and_writes_metrics(tmp_path):
-  workdir = tmp_path / 'run'
-  result = run_cli('--config', 'configs/tiny.py', '--config.train.steps=60',
-                   '--config.train.log_every=20', '--config.data.eval_fraction=0.05',
-                   '--config.eval.every=30', f'--workdir={workdir}')
-  assert result.returncode == 0, result.stderr[-2000:]
-  logged = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+TINY_RUN = ['--config', 'configs/tiny.py', '--config.train.steps=60', '--config.train.log_every=20',
+            '--config.data.eval_fraction=0.05', '--config.eval.every=30']
+
+
+def read_rows(workdir) -> list[dict]:
+  return [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+
+
+@pytest.fixture(scope='module')
+def tiny_runs(tmp_path_factory):
+  """The tiny config trained twice by the `jaxllm-train` command, each time in a new workdir
+  with one compilation cache: the first run fills it, the second reads it. Returns both
+  results and workdirs."""
+  root = tmp_path_factory.mktemp('tiny_runs')
+  command = os.path.join(sysconfig.get_path('scripts'), 'jaxllm-train')
+  runs = []
+  for name in ('first', 'second'):
+    workdir = root / name
+    result = subprocess.run([command, *TINY_RUN, f'--config.compilation_cache={root}/cache',
+                             f'--workdir={workdir}'], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs.append((result, workdir))
+  return runs
+
+
+def test_tiny_config_trains_evaluates_and_writes_metrics(tiny_runs):
+  result, workdir = tiny_runs[0]
+  logged = read_rows(workdir)
   rows = [r for r in logged if 'loss' in r]
   evals = [r for r in logged if 'eval_loss' in r]
   assert [r['step'] for r in rows] == [20, 40, 60]
@@ -32,6 +64,62 @@ def test_tiny_config_trains_evaluates_and_writes_metrics(tmp_path):
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
   assert 'mesh  data=2 fsdp=2 pipe=1 tensor=2' in result.stdout
   assert json.loads((workdir / 'config.json').read_text())['mesh']['tensor'] == 2
+
+
+def test_every_command_is_installed_as_its_modules_entry_point():
+  """`jaxllm-<name>` runs `jaxllm.<name>.cli`, which `python -m jaxllm.<name>` runs too (the
+  tiny runs above go through `jaxllm-train`)."""
+  commands = ('train', 'analyze', 'tune', 'generate', 'hf')
+  scripts = {e.name: e for e in importlib.metadata.entry_points(group='console_scripts')
+             if e.name.startswith('jaxllm-')}
+  assert sorted(scripts) == sorted(f'jaxllm-{name}' for name in commands)
+  for name in commands:
+    assert scripts[f'jaxllm-{name}'].load() is importlib.import_module(f'jaxllm.{name}').cli
+    assert os.path.isfile(os.path.join(sysconfig.get_path('scripts'), f'jaxllm-{name}'))
+    source = open(os.path.join(REPO, 'jaxllm', f'{name}.py')).read()
+    assert source.endswith("if __name__ == '__main__':\n  cli()\n"), name
+
+
+def test_tensorboard_holds_every_metrics_row_and_the_config(tiny_runs):
+  """Read back with TensorBoard's own reader: each number of each metrics.jsonl row is a
+  scalar at the row's step (stored as float32), and the config is the text of config.json."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  from tensorboard.util import tensor_util
+  _, workdir = tiny_runs[0]
+  events = EventAccumulator(str(workdir / 'tensorboard'), size_guidance={'scalars': 0})
+  events.Reload()
+  rows = read_rows(workdir)
+  names = {k for row in rows for k in row if k != 'step'}
+  assert set(events.Tags()['scalars']) == names and 'eval_loss' in names
+  for name in names:
+    want = [(row['step'], row[name]) for row in rows if name in row]
+    got = [(e.step, e.value) for e in events.Scalars(name)]
+    assert [s for s, _ in got] == [s for s, _ in want], name
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-6, err_msg=name)
+  [text] = events.Tensors('config/text_summary')
+  shown = tensor_util.make_ndarray(text.tensor_proto).item().decode()
+  assert json.loads(shown) == json.loads((workdir / 'config.json').read_text())
+
+
+def test_the_second_run_reads_the_compiled_step_from_the_cache(tiny_runs):
+  (first, first_dir), (second, second_dir) = tiny_runs
+  assert re.search(r'compiled the train step in [\d.]+s\n', first.stdout)
+  assert re.search(r'compiled the train step in [\d.]+s \(cache hit\)\n', second.stdout)
+  # The program read back is the one compiled: the same losses to the last bit.
+  loss = lambda rows: [(r['step'], r.get('loss'), r.get('eval_loss')) for r in rows]
+  assert loss(read_rows(second_dir)) == loss(read_rows(first_dir))
+
+
+def test_a_tensorboard_dir_that_cannot_be_written_is_one_line(tmp_path):
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  (workdir / 'tensorboard').write_text('a file where the event files would go')
+  result = run_cli('--config', 'configs/tiny.py', '--config.train.steps=2', f'--workdir={workdir}')
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      f'error: metrics.tensorboard: cannot write event files to {workdir}/tensorboard (File '
+      "exists); make it a writable directory, or set metrics.tensorboard=False."]
+  assert not (workdir / 'metrics.jsonl').exists() and not (workdir / 'config.json').exists()
 
 
 def test_tiny_config_trains_with_every_extra_split(tmp_path):
@@ -237,3 +325,58 @@ def test_config_xla_flags_come_before_the_environments(monkeypatch):
   start_backends(cfg)
   assert os.environ['XLA_FLAGS'] == ('--xla_gpu_enable_latency_hiding_scheduler=true '
                                      '--xla_gpu_enable_latency_hiding_scheduler=false')
+
+
+def test_the_compilation_cache_lives_in_the_user_cache_dir_or_where_it_is_put(monkeypatch,
+                                                                              tmp_path):
+  from jaxllm.backends import compilation_cache_dir, use_compilation_cache
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+  assert compilation_cache_dir('auto') == str(tmp_path / 'xdg' / 'jaxllm' / 'compilation')
+  monkeypatch.delenv('XDG_CACHE_HOME')
+  assert compilation_cache_dir('auto') == os.path.expanduser('~/.cache/jaxllm/compilation')
+  assert compilation_cache_dir('~/elsewhere') == os.path.expanduser('~/elsewhere')
+  (tmp_path / 'a_file').write_text('')
+  with pytest.raises(ConfigError, match=r"compilation_cache='.*/a_file/cache': cannot create "
+                     r".* set it to a writable directory, or to '' for no cache"):
+    use_compilation_cache(str(tmp_path / 'a_file' / 'cache'))
+
+
+def test_missing_wandb_says_how_to_install_it(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'wandb', None)  # as if not installed
+  with pytest.raises(ConfigError, match=r"^metrics.wandb_project='mine' needs the wandb package: "
+                     r"pip install wandb \(or set metrics.wandb_project=''\)\.$"):
+    validate(with_fields({'metrics.wandb_project': 'mine'}), ONE_DEVICE)
+
+
+def test_wandb_gets_the_config_and_every_row_at_its_step(monkeypatch, tmp_path):
+  """W&B is optional and not installed here: a stand-in module records what the run asks."""
+  calls = []
+
+  class Run:
+    def log(self, values, step):
+      calls.append(('log', values, step))
+
+    def finish(self):
+      calls.append(('finish',))
+
+  def init(**kwargs):
+    calls.append(('init', kwargs))
+    return Run()
+
+  wandb = types.ModuleType('wandb')
+  wandb.init, wandb.__spec__ = init, importlib.machinery.ModuleSpec('wandb', None)
+  monkeypatch.setitem(sys.modules, 'wandb', wandb)
+  cfg = with_fields({'metrics.wandb_project': 'mine', 'metrics.tensorboard': False})
+  validate(cfg, ONE_DEVICE)
+  log = MetricsLog(str(tmp_path / 'run'), cfg)
+  row = {'step': 10, 'loss': 2.5, 'grad_norm': 1.0, 'lr': 1e-3, 'step_time': 0.1,
+         'tokens_per_sec': 100.0}
+  log.write(row, 10)
+  log.write_eval({'step': 10, 'eval_loss': 2.7, 'eval_perplexity': 14.9})
+  log.close()
+  assert calls == [
+      ('init', dict(project='mine', name='run', config=cfg.to_dict(), dir=str(tmp_path / 'run'))),
+      ('log', {k: v for k, v in row.items() if k != 'step'}, 10),
+      ('log', {'eval_loss': 2.7, 'eval_perplexity': 14.9}, 10),
+      ('finish',)]
+  assert not (tmp_path / 'run' / 'tensorboard').exists()  # metrics.tensorboard=False

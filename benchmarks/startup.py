@@ -1,0 +1,72 @@
+"""Start-up time of a run with and without the persistent compilation cache.
+
+    python benchmarks/startup.py --config configs/X.py [--config.a.b=v ...] [--rounds 2]
+
+Each round runs `python -m jaxllm.train` for one step three times, each in a fresh process
+and a fresh workdir (nothing to resume): with `compilation_cache=''` (no cache), then with an
+empty cache directory (the first run of a config: it compiles and writes the cache), then
+again with that directory (the second run: it reads the programs back). Printed per run: the
+process's wall time, from start to exit, and the train step's compile time as the run logs it.
+The rounds' medians are compared as ratios to the run without a cache.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CASES = ('no cache', 'first run (cache empty)', 'second run (cache filled)')
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_once(config: str, overrides: list[str], cache: str,
+             workdir: str) -> tuple[float, float, bool]:
+  """Wall seconds of one single-step run, its logged compile seconds, and whether it hit."""
+  command = [sys.executable, '-m', 'jaxllm.train', f'--config={config}', *overrides,
+             '--config.train.steps=1', '--config.train.log_every=1', '--config.checkpoint.every=0',
+             '--config.eval.every=0', f'--config.compilation_cache={cache}', f'--workdir={workdir}']
+  start = time.perf_counter()
+  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+  wall = time.perf_counter() - start
+  if result.returncode:
+    sys.exit(f'the run failed:\n{result.stderr[-2000:]}')
+  found = re.search(r'compiled the train step in ([\d.]+)s( \(cache hit\))?', result.stdout)
+  return wall, float(found.group(1)), bool(found.group(2))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--config', required=True, help='The config file.')
+  parser.add_argument('--rounds', type=int, default=2, help='Times to run the three cases.')
+  args, overrides = parser.parse_known_args()
+  if any(not a.startswith('--config.') for a in overrides):
+    parser.error(f'unknown arguments {overrides}; config overrides start with --config.')
+  walls = {case: [] for case in CASES}
+  compiles = {case: [] for case in CASES}
+  print(f'config {args.config} {" ".join(overrides)}')
+  for round_ in range(args.rounds):
+    with tempfile.TemporaryDirectory() as tmp:
+      caches = ('', os.path.join(tmp, 'cache'), os.path.join(tmp, 'cache'))
+      for i, (case, cache) in enumerate(zip(CASES, caches)):
+        wall, compiled, hit = run_once(args.config, overrides, cache, os.path.join(tmp, f'run{i}'))
+        if hit != (i == 2):
+          sys.exit(f'{case}: the cache was {"hit" if hit else "missed"}, which it should not be.')
+        walls[case].append(wall)
+        compiles[case].append(compiled)
+        print(f'round {round_ + 1}  {case:26s} start to exit {wall:6.1f}s  '
+              f'train step compiled in {compiled:5.1f}s' + ('  (cache hit)' if hit else ''))
+  base_wall, base_compile = (statistics.median(walls[CASES[0]]),
+                             statistics.median(compiles[CASES[0]]))
+  print(f'\nmedians over {args.rounds} round(s), ratio to no cache:')
+  for case in CASES:
+    wall, compiled = statistics.median(walls[case]), statistics.median(compiles[case])
+    print(f'  {case:26s} start to exit {wall:6.1f}s ({wall / base_wall:.2f}×)  '
+          f'train step {compiled:5.1f}s ({compiled / base_compile:.2f}×)')
+
+
+if __name__ == '__main__':
+  main()
