@@ -96,10 +96,11 @@ def rank(cfg: ConfigDict, hardware: Hardware, remats, micro_batches, devices):
   return rows, skipped
 
 
-def measure(c: ConfigDict, steps: int) -> float:
-  """Seconds per train step of `c` on the devices present (after two warm-up steps)."""
+def measure(c: ConfigDict, steps: int, devices=None) -> float:
+  """Seconds per train step of `c` on `devices` (default: all present), after two warm-up
+  steps."""
   from jaxllm.train import setup  # the real run: data, state and all
-  run = setup(c)
+  run = setup(c, devices)
   state, batch = run.state, next(run.batches)
   with sharding_context(run.mesh, c.sharding.rules):
     step = run.train_step.lower(state, batch).compile()
