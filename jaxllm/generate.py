@@ -2,10 +2,11 @@
 
     python -m jaxllm.generate (--checkpoint DIR | --hf DIR) (--prompt TEXT | --prompt_file PATH | --prompt_ids 1,2,3)
         --max_new_tokens N [--greedy | --temperature T --top_k K --top_p P] [--seed S]
-        [--context N] [--print_ids]
+        [--context N] [--mesh fsdp=2,tensor=2] [--print_ids]
 
-The prompt fills the cache in one forward pass; then tokens are decoded one at a time inside
-one jitted `lax.while_loop`, until `max_new_tokens` or until every row has produced EOS.
+The prompts (one, or a file's lines) run as one batch, left-padded to the longest; they fill
+the cache in one forward pass, then tokens are decoded one at a time inside one jitted
+`lax.while_loop`, until `max_new_tokens` or until every row has produced EOS.
 """
 
 from __future__ import annotations
@@ -84,18 +85,23 @@ def sample_next(logits_BV, rng, sampling: Sampling):
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'max_new_tokens', 'sampling',
                                              'eos_ids', 'rules'))
-def _decode(graphdef, params, prompt_BP, rng, *, max_new_tokens: int, sampling: Sampling,
-            eos_ids: tuple[int, ...], rules: tuple):
-  """[B, max_new_tokens] new ids; after a row's EOS, `_DONE`. The rules are an argument so
-  that a call under other rules compiles anew."""
+def _decode(graphdef, params, prompt_BP, start_B, rng, *, max_new_tokens: int,
+            sampling: Sampling, eos_ids: tuple[int, ...], rules: tuple):
+  """[B, max_new_tokens] new ids; after a row's EOS, `_DONE`. Row b's prompt is left-padded:
+  it starts at column `start_B[b]`. The rules are an argument so that a call under other
+  rules compiles anew."""
   with nnx.logical_axis_rules(rules):
     model = nnx.merge(graphdef, params)
     B, P = prompt_BP.shape
     # The last new token is never fed back, so it needs no slot.
-    cache = KVCache.empty(model.cfg, B, P + max_new_tokens - 1)
+    cache = KVCache.empty(model.cfg, B, P + max_new_tokens - 1, start_B)
 
     def next_token(tokens_BT, cache, step):
-      positions_BT = cache.length + sequence_positions(tokens_BT)
+      # Positions count from each row's first token, as they would alone (RoPE sees only
+      # their differences, but the rounding would differ); the padding before it (never
+      # attended to) sits at position 0.
+      slots_BT = cache.length + sequence_positions(tokens_BT)
+      positions_BT = jnp.maximum(slots_BT - cache.start_B[:, None], 0)
       x_BTD, cache = model.layers(model.embed(tokens_BT), positions_BT, cache=cache)
       logits_BV = model.logits(x_BTD[:, -1:])[:, 0]
       return sample_next(logits_BV, jax.random.fold_in(rng, step), sampling), cache
@@ -131,28 +137,37 @@ def _mesh_of(params) -> jax.sharding.Mesh:
   return make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), [device])
 
 
-def _check_prompt(prompt_BP: np.ndarray, vocab_size: int, max_new_tokens: int) -> None:
-  if prompt_BP.ndim != 2 or prompt_BP.shape[1] == 0:
-    raise ConfigError(f'prompt_ids of shape {prompt_BP.shape}: give a non-empty list of ids '
-                      'or an array [prompts, length].')
-  outside = prompt_BP[(prompt_BP < 0) | (prompt_BP >= vocab_size)]
-  if outside.size:
-    raise ConfigError(f'prompt_ids: token id {int(outside[0])} is outside the vocabulary '
-                      f'[0, {vocab_size}) of the model; give ids below model.vocab_size.')
+def _prompt_rows(prompt_ids) -> tuple[list[list[int]], bool]:
+  """The prompts as lists of ids, and whether one prompt (a flat list) was given."""
+  rows = np.asarray(prompt_ids).tolist() if hasattr(prompt_ids, 'shape') else list(prompt_ids)
+  is_id = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+  if rows and all(is_id(i) for i in rows):
+    return [[int(i) for i in rows]], True
+  if not rows or not all(isinstance(row, (list, tuple)) and all(is_id(i) for i in row)
+                         for row in rows):
+    raise ConfigError('prompt_ids: give a list of ids, or a list of prompts (lists of ids).')
+  return [[int(i) for i in row] for row in rows], False
+
+
+def _check_prompts(rows: list[list[int]], vocab_size: int, max_new_tokens: int) -> None:
+  for b, row in enumerate(rows):
+    if not row:
+      raise ConfigError(f'prompt_ids: prompt {b} is empty; every prompt needs a token '
+                        '(e.g. BOS).')
+    outside = [i for i in row if not 0 <= i < vocab_size]
+    if outside:
+      raise ConfigError(f'prompt_ids: token id {outside[0]} is outside the vocabulary '
+                        f'[0, {vocab_size}) of the model; give ids below model.vocab_size.')
   if max_new_tokens < 1:
     raise ConfigError(f'max_new_tokens={max_new_tokens} must be at least 1.')
 
 
-def _check_mesh(mesh: jax.sharding.Mesh, rules, batch: int) -> None:
+def batch_shards(mesh: jax.sharding.Mesh, rules) -> int:
+  """How many ways the mesh splits a batch of prompts (refusing a pipeline)."""
   if mesh.shape['pipe'] > 1:
     raise ConfigError(f'mesh pipe={mesh.shape["pipe"]}: generation runs without a pipeline; '
                       'use a mesh with pipe=1 (put the devices on data, fsdp or tensor).')
-  axes = spec_axes(batch_sharding(mesh, rules, 2).spec[0])
-  shards = math.prod(mesh.shape[a] for a in axes)
-  if batch % shards:
-    split = '×'.join(f'{a}={mesh.shape[a]}' for a in axes)
-    raise ConfigError(f'{batch} prompt(s) do not split over the batch axes {split} of the '
-                      f'mesh; give a multiple of {shards} prompts or a mesh with those axes 1.')
+  return math.prod(mesh.shape[a] for a in spec_axes(batch_sharding(mesh, rules, 2).spec[0]))
 
 
 def generate(model_cfg: ConfigDict, params: nnx.State, prompt_ids, max_new_tokens: int, *,
@@ -162,35 +177,38 @@ def generate(model_cfg: ConfigDict, params: nnx.State, prompt_ids, max_new_token
              rules=None) -> list[int] | list[list[int]]:
   """New token ids after the prompt: up to `max_new_tokens`, ending at (and with) `eos_id`.
 
-  `prompt_ids`: one prompt (a list of ids) or equally long prompts [B, P]; the result is a
-  list of ids, or a list per prompt. `greedy` takes the likeliest token; otherwise tokens are
-  drawn at `temperature`, from the `top_k` likeliest (None: all), within the nucleus of mass
-  `top_p`. `rng`: a key or an int seed. Runs on `mesh` (default: the one `params` live on;
-  its pipe axis must be 1) under the logical `rules` (default: `default_config()`'s).
-  Raises ConfigError on bad input.
+  `prompt_ids`: one prompt (a list of ids) or several, of any lengths (a list of lists, or an
+  array [B, P]); the result is a list of ids, or a list per prompt. The prompts run as one
+  batch, left-padded to the longest; each row computes what it would alone. `greedy` takes the
+  likeliest token; otherwise tokens are drawn at `temperature`, from the `top_k` likeliest
+  (None: all), within the nucleus of mass `top_p`. `rng`: a key or an int seed. Runs on `mesh`
+  (default: the one `params` live on; its pipe axis must be 1) under the logical `rules`
+  (default: `default_config()`'s), the batch split over the rules' batch axes (padded with
+  copies of the first prompt to a multiple of their size). Raises ConfigError on bad input.
   """
   sampling = Sampling(greedy, temperature, top_k, top_p)
   sampling.check()
-  try:
-    prompt_BP = np.asarray(prompt_ids, np.int32)
-  except ValueError:
-    raise ConfigError('prompt_ids: the prompts differ in length; give equally long prompts '
-                      '(or one at a time).') from None
-  one_prompt = prompt_BP.ndim == 1
-  prompt_BP = prompt_BP[None] if one_prompt else prompt_BP
-  _check_prompt(prompt_BP, model_cfg.vocab_size, max_new_tokens)
+  rows, one_prompt = _prompt_rows(prompt_ids)
+  _check_prompts(rows, model_cfg.vocab_size, max_new_tokens)
   mesh = _mesh_of(params) if mesh is None else mesh
   rules = default_config().sharding.rules if rules is None else rules
-  _check_mesh(mesh, rules, prompt_BP.shape[0])
+  shards = batch_shards(mesh, rules)
+  count = len(rows)
+  rows += [rows[0]] * (-count % shards)
+  P = max(len(row) for row in rows)
+  start_B = np.array([P - len(row) for row in rows], np.int32)
+  prompt_BP = np.array([[0] * (P - len(row)) + row for row in rows], np.int32)
   eos_ids = () if eos_id is None else tuple(np.atleast_1d(eos_id).astype(int).tolist())
   rng = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
   with sharding_context(mesh, rules):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
     prompt_BP = jax.device_put(prompt_BP, batch_sharding(mesh, rules, 2))
-    out_BN = _decode(graphdef, params, prompt_BP, rng, max_new_tokens=max_new_tokens,
-                     sampling=sampling, eos_ids=eos_ids, rules=flax_rules(rules))
-  rows = [[int(t) for t in row if t != _DONE] for row in np.asarray(out_BN)]
-  return rows[0] if one_prompt else rows
+    start_B = jax.device_put(start_B, batch_sharding(mesh, rules, 1))
+    out_BN = _decode(graphdef, params, prompt_BP, start_B, rng,
+                     max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
+                     rules=flax_rules(rules))
+  new = [[int(t) for t in row if t != _DONE] for row in np.asarray(out_BN)[:count]]
+  return new[0] if one_prompt else new
 
 
 # ----------------------------------------------------------------------------- command line
@@ -201,7 +219,11 @@ _HF = flags.DEFINE_string('hf', None, 'A Hugging Face Llama directory (config.js
                           'safetensors, and tokenizer.json for --prompt).')
 _PROMPT = flags.DEFINE_string('prompt', None, 'The prompt text.')
 _PROMPT_IDS = flags.DEFINE_string('prompt_ids', None, 'The prompt as comma-separated token ids.')
-_PROMPT_FILE = flags.DEFINE_string('prompt_file', None, 'A file whose text is the prompt.')
+_PROMPT_FILE = flags.DEFINE_string('prompt_file', None, 'A text file of prompts, one per '
+                                   'non-empty line, generated as one batch.')
+_MESH = flags.DEFINE_string('mesh', None, 'Devices to split the model over, as training does: '
+                            'e.g. tensor=2 or fsdp=2,tensor=2 (axes data, fsdp, tensor; the '
+                            'others 1). Default: one device.')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', None, 'Tokens to generate at most.')
 _GREEDY = flags.DEFINE_bool('greedy', False, 'Take the likeliest token at every step.')
 _TEMPERATURE = flags.DEFINE_float('temperature', None, 'Sampling temperature (default 1).')
@@ -211,7 +233,9 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Random seed of the sampling.')
 _CONTEXT = flags.DEFINE_integer('context', None, 'Positions the prompt and the new tokens may '
                                 'fill (default: model.max_position or data.seq_len of the checkpoint, '
                                 'max_position_embeddings of a Hugging Face model).')
-_PRINT_IDS = flags.DEFINE_bool('print_ids', False, 'Print the new ids, comma-separated, last.')
+_PRINT_IDS = flags.DEFINE_bool('print_ids', False, 'Print the new ids, comma-separated, after '
+                                'the text.')
+MESH_AXES = ('data', 'fsdp', 'tensor')  # a pipeline does not decode
 
 USAGE = __doc__.split('\n\n')[1]
 
@@ -290,44 +314,79 @@ def load_hf(path: str, mesh: jax.sharding.Mesh) -> Model:
                tokenizer.eos_id if tokenizer else hf_config.get('eos_token_id'))
 
 
-def prompt_text() -> str:
-  """--prompt, or the text of --prompt_file."""
+def parse_mesh(text: str | None) -> dict[str, int]:
+  """--mesh as axis sizes: 'fsdp=2,tensor=2' -> data=1, fsdp=2, pipe=1, tensor=2."""
+  shape = dict(data=1, fsdp=1, pipe=1, tensor=1)
+  for part in (text or '').split(','):
+    if not part.strip():
+      continue
+    name, _, size = part.partition('=')
+    name = name.strip()
+    if name == 'pipe':
+      raise ConfigError(f'--mesh={text}: generation runs without a pipeline; split over '
+                        f'{", ".join(MESH_AXES)} instead.')
+    if name not in MESH_AXES or not size.strip().isdigit() or int(size) < 1:
+      raise ConfigError(f'--mesh={text}: give axis=size pairs with sizes of at least 1, e.g. '
+                        f'--mesh=fsdp=2,tensor=2 (axes: {", ".join(MESH_AXES)}).')
+    shape[name] = int(size)
+  return shape
+
+
+def mesh_devices(shape: dict[str, int], text: str) -> list:
+  """The first devices, as many as the mesh `text` (--mesh) needs (on a CPU, the simulated
+  ones made for it)."""
+  count = math.prod(shape.values())
+  devices = jax.devices()
+  if len(devices) < count:
+    raise ConfigError(f'--mesh={text} needs {count} devices, but {len(devices)} '
+                      f'{devices[0].platform} device(s) are present; use a smaller mesh.')
+  return devices[:count]
+
+
+def prompt_texts() -> list[tuple[str, str]]:
+  """(text, what to call it in errors) of --prompt, or of each non-empty line of --prompt_file."""
   if _PROMPT_FILE.value is None:
-    return _PROMPT.value
+    return [(_PROMPT.value, '--prompt')]
   try:
     with open(_PROMPT_FILE.value, encoding='utf-8') as f:
-      return f.read()
+      lines = f.read().splitlines()
   except (OSError, UnicodeDecodeError) as e:
     raise ConfigError(f'--prompt_file={_PROMPT_FILE.value!r} cannot be read '
                       f'({getattr(e, "strerror", None) or e}); give a UTF-8 text file.') from None
+  prompts = [(line, f'--prompt_file line {i}') for i, line in enumerate(lines, 1) if line.strip()]
+  if not prompts:
+    raise ConfigError(f'--prompt_file={_PROMPT_FILE.value!r} has no prompts; write one per line.')
+  return prompts
 
 
-def encode_prompt(model: Model) -> list[int]:
-  """The prompt's ids: --prompt_ids, or --prompt through the model's tokenizer (its BOS kept,
-  the EOS it ends documents with dropped: the text goes on)."""
+def encode_prompts(model: Model) -> list[tuple[list[int], str]]:
+  """Each prompt's ids and what to call it: --prompt_ids, or each text through the model's
+  tokenizer (its BOS kept, the EOS it ends documents with dropped: the text goes on)."""
   if _PROMPT_IDS.value is not None:
     try:
-      return [int(i) for i in _PROMPT_IDS.value.split(',')]
+      return [([int(i) for i in _PROMPT_IDS.value.split(',')], '--prompt_ids')]
     except ValueError:
       raise ConfigError(f'--prompt_ids={_PROMPT_IDS.value!r}: give comma-separated integers, '
                         'e.g. --prompt_ids=256,100,101.') from None
   if model.tokenizer is None:
     raise ConfigError(f'--prompt needs a tokenizer, and {_HF.value} has no tokenizer.json; '
                       'add one or give --prompt_ids.')
-  ids = model.tokenizer.encode(prompt_text()).tolist()
-  if ids and ids[-1] == model.tokenizer.eos_id:
-    ids = ids[:-1]
-  if not ids:
-    raise ConfigError('--prompt is empty and the tokenizer adds no BOS; give some text.')
-  return ids
+  encoded = []
+  for text, name in prompt_texts():
+    ids = model.tokenizer.encode(text).tolist()
+    if ids and ids[-1] == model.tokenizer.eos_id:
+      ids = ids[:-1]
+    if not ids:
+      raise ConfigError(f'{name} is empty and the tokenizer adds no BOS; give some text.')
+    encoded.append((ids, name))
+  return encoded
 
 
-def check_fits(model: Model, prompt: list[int]) -> None:
+def check_fits(model: Model, prompt: list[int], name: str) -> None:
   """The prompt's ids are in the vocabulary and the prompt plus the new tokens fit the context."""
-  flag = '--prompt_ids' if _PROMPT_IDS.value is not None else '--prompt'
   outside = [i for i in prompt if not 0 <= i < model.cfg.vocab_size]
   if outside:
-    raise ConfigError(f'{flag}: token id {outside[0]} is outside the vocabulary '
+    raise ConfigError(f'{name}: token id {outside[0]} is outside the vocabulary '
                       f'[0, {model.cfg.vocab_size}) of the model; give ids below '
                       f'{model.cfg.vocab_size}.')
   context, source = ((_CONTEXT.value, '--context') if _CONTEXT.value is not None
@@ -337,7 +396,7 @@ def check_fits(model: Model, prompt: list[int]) -> None:
                       'missing); pass --context N.')
   need = len(prompt) + _MAX_NEW_TOKENS.value
   if need > context:
-    raise ConfigError(f'{flag} is {len(prompt)} tokens and --max_new_tokens='
+    raise ConfigError(f'{name} is {len(prompt)} tokens and --max_new_tokens='
                       f'{_MAX_NEW_TOKENS.value}: {need} positions, more than the context of '
                       f'{context} ({source}); shorten the prompt, lower --max_new_tokens or '
                       'pass --context N.')
@@ -345,25 +404,32 @@ def check_fits(model: Model, prompt: list[int]) -> None:
 
 def main(argv: list[str]) -> None:
   sampling = parse_flags(argv)
-  start_backends()
+  shape = parse_mesh(_MESH.value)
+  count = math.prod(shape.values())  # on a CPU, simulated devices are made for the mesh
+  start_backends(ConfigDict(dict(cpu_devices=count if count > 1 else 0, xla_flags='')))
   # Orbax notes on stderr that it opens checkpoints read-only, as this command always does.
   absl_logging.set_verbosity(absl_logging.ERROR)
-  mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), jax.devices()[:1])
+  mesh = make_mesh(shape, mesh_devices(shape, _MESH.value))
   model = open_checkpoint(_CHECKPOINT.value) if _CHECKPOINT.value else load_hf(_HF.value, mesh)
-  prompt = encode_prompt(model)
-  check_fits(model, prompt)  # before a checkpoint's parameters are read: bad input fails fast
+  prompts = encode_prompts(model)
+  for ids, name in prompts:  # before a checkpoint's parameters are read: bad input fails fast
+    check_fits(model, ids, name)
   if model.params is None:
     model.params = restore_params(_CHECKPOINT.value,
                                   params_target(model.cfg, mesh, model.rules), model.cfg,
                                   '--checkpoint')
-  new_ids = generate(model.cfg, model.params, prompt, _MAX_NEW_TOKENS.value,
-                     greedy=sampling.greedy, temperature=sampling.temperature,
-                     top_k=sampling.top_k, top_p=sampling.top_p, eos_id=model.eos_id,
-                     rng=_SEED.value, mesh=mesh, rules=model.rules)
-  if model.tokenizer is not None:
-    print(model.tokenizer.decode(prompt + new_ids))
-  if _PRINT_IDS.value:
-    print(','.join(map(str, new_ids)))
+  new_ids = generate(model.cfg, model.params, [ids for ids, _ in prompts],
+                     _MAX_NEW_TOKENS.value, greedy=sampling.greedy,
+                     temperature=sampling.temperature, top_k=sampling.top_k,
+                     top_p=sampling.top_p, eos_id=model.eos_id, rng=_SEED.value, mesh=mesh,
+                     rules=model.rules)
+  for i, ((prompt, _), new) in enumerate(zip(prompts, new_ids), 1):
+    if len(prompts) > 1:
+      print(f'--- prompt {i} of {len(prompts)}')
+    if model.tokenizer is not None:
+      print(model.tokenizer.decode(prompt + new))
+    if _PRINT_IDS.value:
+      print(','.join(map(str, new)))
 
 
 def cli() -> None:

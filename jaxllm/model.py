@@ -103,31 +103,37 @@ def apply_rope(x_BTnH, positions_BT, inv_freq):
 
 
 # The KV cache [L, B, S, K, H] is laid out like the keys and values it holds. The layer axis
-# stays whole (decoding runs without a pipeline), and so do the positions: every step writes one.
+# stays whole (decoding runs without a pipeline), and so do the slots: every step writes one.
 KV_CACHE_AXES = (None, 'batch', None, 'act_kv_heads', None)
 
 
 class KVCache(NamedTuple):
-  """Every layer's keys and values for decoding. Slot s of the S axis holds position s; the
-  first `length` slots are filled, and the next tokens are written from there."""
+  """Every layer's keys and values for decoding. The first `length` slots of the S axis are
+  filled, and the next tokens are written from there. Row b's sequence starts at slot
+  `start_B[b]`: prompts of different lengths are left-padded, and the slots before a row's
+  start are never attended to."""
   k_LBSKH: jax.Array
   v_LBSKH: jax.Array
-  length: jax.Array  # int32 scalar
+  length: jax.Array   # int32 scalar
+  start_B: jax.Array  # int32 [B]
 
   @classmethod
-  def empty(cls, cfg: ConfigDict, batch: int, max_len: int) -> KVCache:
-    """A cache for `batch` rows of up to `max_len` positions (call inside jit, under the rules)."""
+  def empty(cls, cfg: ConfigDict, batch: int, max_len: int, start_B=None) -> KVCache:
+    """A cache for `batch` rows of up to `max_len` slots (call inside jit, under the rules);
+    `start_B`: where each row starts (default: slot 0)."""
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     zeros = lambda: constrain(jnp.zeros(shape, cfg.dtype), *KV_CACHE_AXES)
-    return cls(zeros(), zeros(), jnp.zeros((), jnp.int32))
+    start_B = jnp.zeros((batch,), jnp.int32) if start_B is None else start_B
+    return cls(zeros(), zeros(), jnp.zeros((), jnp.int32), start_B)
 
   def append(self, k_LBTKH, v_LBTKH) -> KVCache:
-    """The cache with T more positions written at `length`."""
+    """The cache with T more slots written at `length`."""
     write = lambda c, new: constrain(
         jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), self.length, axis=2),
         *KV_CACHE_AXES)
-    return KVCache(write(self.k_LBSKH, k_LBTKH), write(self.v_LBSKH, v_LBTKH),
-                   self.length + k_LBTKH.shape[2])
+    return self._replace(k_LBSKH=write(self.k_LBSKH, k_LBTKH),
+                         v_LBSKH=write(self.v_LBSKH, v_LBTKH),
+                         length=self.length + k_LBTKH.shape[2])
 
 
 class LayerCache(NamedTuple):
@@ -135,15 +141,18 @@ class LayerCache(NamedTuple):
   k_BSKH: jax.Array
   v_BSKH: jax.Array
   length: jax.Array
+  start_B: jax.Array
 
 
-def cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache: LayerCache):
-  """The new tokens attend to the cache's filled slots and to each other, causally."""
+def cached_attention(q_BTNH, k_BTKH, v_BTKH, cache: LayerCache):
+  """The new tokens, written at slots length … length+T-1, attend to their row's filled
+  slots and to each other, causally."""
   k_BSKH = jax.lax.dynamic_update_slice_in_dim(cache.k_BSKH, k_BTKH, cache.length, axis=1)
   v_BSKH = jax.lax.dynamic_update_slice_in_dim(cache.v_BSKH, v_BTKH, cache.length, axis=1)
-  # Slot s holds position s: a query sees the slots up to its own position, none beyond.
   slots_S = jnp.arange(k_BSKH.shape[1])
-  mask_B1TS = slots_S[None, None, None, :] <= positions_BT[:, None, :, None]
+  query_slots_T = cache.length + jnp.arange(q_BTNH.shape[1])
+  mask_B1TS = ((slots_S[None, None, None, :] <= query_slots_T[None, None, :, None]) &
+               (slots_S[None, None, None, :] >= cache.start_B[:, None, None, None]))
   # XLA's attention takes any mask; the fused cuDNN kernel is for causal training shapes.
   return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS,
                                       implementation='xla')
@@ -237,7 +246,7 @@ class Attention(nnx.Module):
       o_BTNH = sharded_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT,
                                  self.cfg.attention, self.cfg.max_documents)
     else:
-      o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, cache)
+      o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, cache)
     o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
     if self.cfg.attention != 'cudnn':  # cuDNN's output is kept as the kernel's (REMAT)
       o_BTNH = checkpoint_name(o_BTNH, 'attention')
@@ -650,7 +659,7 @@ def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache):
   def body(x_BTD, layer_and_cache):
     layer, k_BSKH, v_BSKH = layer_and_cache
     return nnx.merge(graphdef, layer)(x_BTD, positions_BT, None,
-                                      LayerCache(k_BSKH, v_BSKH, cache.length))
+                                      LayerCache(k_BSKH, v_BSKH, cache.length, cache.start_B))
 
   x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(body, x_BTD,
                                            (stacked, cache.k_LBSKH, cache.v_LBSKH))
@@ -687,8 +696,9 @@ class Transformer(nnx.Module):
   def layers(self, x_BTD, positions_BT, segment_ids_BT=None, cache: KVCache | None = None):
     """Runs the block stack as one `lax.scan`, rematerialised per the config.
 
-    Decoding passes a `cache` (and one sequence per row, no segment ids): the tokens sit at
-    `positions_BT` from `cache.length` on; returns the output and the cache holding them."""
+    Decoding passes a `cache` (and one sequence per row, no segment ids): the tokens are
+    written at slots `cache.length` on, and `positions_BT` are their positions in their rows;
+    returns the output and the cache holding them."""
     graphdef, stacked = nnx.split(self.blocks)
     return scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, self.cfg.remat,
                        cache)

@@ -1,6 +1,7 @@
 """Generation: the KV cache against the plain forward pass, sampling, EOS, the command line."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -73,15 +74,54 @@ def test_greedy_with_the_cache_equals_the_full_forward_argmax(one_device_params)
   assert got == want[0]
 
 
-def test_greedy_on_a_sharded_mesh_equals_the_full_forward_argmax():
-  cfg, prompt = model_cfg(), prompts(4)
-  mesh = make_mesh(SHARDED)
-  params = params_on(mesh, cfg)
-  got = generate(cfg, params, prompt, NEW_TOKENS, greedy=True)  # on the params' mesh
+# Prompts of different lengths; the last, alone, is shorter than every other.
+RAGGED = [p[:n] for p, n in zip(prompts(4, length=7), (3, 7, 5, 1))]
+
+
+@pytest.fixture(scope='module')
+def each_alone(one_device_params):
+  """Each RAGGED prompt generated greedily on its own on one device, checked against the plain
+  forward pass without a cache."""
+  cfg, alone = model_cfg(), []
+  for prompt in RAGGED:
+    alone.append(generate(cfg, one_device_params, prompt, NEW_TOKENS, greedy=True))
+    with sharding_context(make_mesh(ONE_DEVICE, jax.devices()[:1]), RULES):
+      want, margin = reference_greedy(cfg, one_device_params, [prompt], NEW_TOKENS)
+    assert margin > 1e-3 and alone[-1] == want[0]
+  return alone
+
+
+def test_prompts_of_different_lengths_in_one_batch_equal_each_alone(one_device_params,
+                                                                     each_alone):
+  cfg = model_cfg()
+  assert generate(cfg, one_device_params, RAGGED, NEW_TOKENS, greedy=True) == each_alone
+  # EOS ends each row where that row alone would produce it.
+  eos = each_alone[1][2]
+  cut = lambda row: row[:row.index(eos) + 1] if eos in row else row
+  got = generate(cfg, one_device_params, RAGGED, NEW_TOKENS, greedy=True, eos_id=eos)
+  assert got == [cut(row) for row in each_alone] and len(got[1]) == 3
+
+
+def on_mesh(params, mesh):
+  """`params` placed on `mesh` as training shards them (by the rules)."""
   with sharding_context(mesh, RULES):
-    want, margin = reference_greedy(cfg, params, prompt, NEW_TOKENS)
-  assert margin > 1e-3
-  assert got == want
+    abstract = nnx.eval_shape(lambda: nnx.state(Transformer(model_cfg(), rngs=nnx.Rngs(0))))
+    return jax.device_put(params, nnx.get_named_sharding(abstract, mesh))
+
+
+@pytest.mark.parametrize('axes', [dict(tensor=2), dict(fsdp=2), dict(data=2, fsdp=2, tensor=2)],
+                         ids=lambda axes: '_'.join(f'{a}{n}' for a, n in axes.items()))
+def test_a_batch_on_a_mesh_equals_each_prompt_alone_on_one_device(axes, one_device_params,
+                                                                  each_alone):
+  """Three prompts of different lengths (the batch split over data×fsdp is padded to a
+  multiple of it) and the parameters split as in training."""
+  mesh_shape = {**ONE_DEVICE, **axes}
+  mesh = make_mesh(mesh_shape, jax.devices()[:math.prod(mesh_shape.values())])
+  params = on_mesh(one_device_params, mesh)
+  if 'tensor' in axes:
+    assert params['blocks']['attn']['wq_DNH'].sharding.spec[-2] == 'tensor'
+  got = generate(model_cfg(), params, RAGGED[:3], NEW_TOKENS, greedy=True)  # the params' mesh
+  assert got == each_alone[:3]
 
 
 def test_cache_filled_in_pieces_gives_the_logits_of_the_whole_sequence():
@@ -160,10 +200,10 @@ def test_top_k_1_draws_the_argmax_at_any_temperature():
 @pytest.mark.parametrize('kwargs,field', [
     (dict(top_p=0.0), 'top_p'), (dict(top_p=1.5), 'top_p'), (dict(top_k=0), 'top_k'),
     (dict(temperature=0.0), 'temperature'), (dict(prompt=[[1, 999]]), 'prompt_ids'),
-    (dict(prompt=[[1, 2], [3]]), 'differ in length'),
+    (dict(prompt=[[1, 2], []]), 'prompt 1 is empty'),
+    (dict(prompt=[[1, [2]]]), 'a list of prompts'),
     (dict(max_new_tokens=0), 'max_new_tokens'),
     (dict(mesh=dict(data=2, fsdp=1, pipe=2, tensor=2)), 'pipe=1'),
-    (dict(prompt=[[1, 2]], mesh=dict(data=2, fsdp=1, pipe=1, tensor=4)), 'prompt(s)'),
 ])
 def test_bad_generate_arguments_raise_config_errors(kwargs, field, one_device_params):
   cfg, params = model_cfg(), one_device_params
@@ -203,11 +243,21 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
   same = ['--prompt_ids', '256,100,101,102,32', *args]
   by_step = run_cli('--checkpoint', str(tiny_checkpoints / '2'), *same, module='jaxllm.generate')
   assert by_step.stdout.strip().splitlines()[-1] == lines[-1], by_step.stderr[-2000:]
-  # And as a file's text.
-  (tmp_path / 'prompt.txt').write_text('def ')
+  # A file of prompts, one per line, as one batch on a mesh with the parameters split as in
+  # training: each prompt's ids are those it gets alone on one device (library, in-process).
+  lines_of_file = ['def ', 'class Mesh:', '    return']
+  (tmp_path / 'prompts.txt').write_text('\n'.join(lines_of_file[:2]) + '\n\n' + lines_of_file[2])
   by_file = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt_file',
-                    str(tmp_path / 'prompt.txt'), *args, module='jaxllm.generate')
-  assert by_file.stdout.strip().splitlines()[-1] == lines[-1], by_file.stderr[-2000:]
+                    str(tmp_path / 'prompts.txt'), '--mesh=fsdp=2,tensor=2', *args,
+                    module='jaxllm.generate')
+  assert by_file.returncode == 0, by_file.stderr[-2000:]
+  sections = by_file.stdout.split('--- prompt ')[1:]
+  assert [s.split('\n')[0] for s in sections] == ['1 of 3', '2 of 3', '3 of 3']
+  assert [s.split('\n')[1][:len(p)] for s, p in zip(sections, lines_of_file)] == lines_of_file
+  batch_ids = [s.strip().split('\n')[-1] for s in sections]
+  assert batch_ids[0] == lines[-1]
+  assert batch_ids == [','.join(map(str, ids)) for ids in alone_on_one_device(
+      tiny_checkpoints, lines_of_file, 8)]
   # Exported as a Hugging Face Llama it generates the same, printing ids only (there is no
   # tokenizer.json): its config.json carries the context (data.seq_len) and the byte
   # tokenizer's special ids, so neither --context nor an EOS needs giving.
@@ -221,7 +271,7 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
   assert len(hf_lines) == 1, by_hf.stderr[-2000:]
   assert hf_lines[0] == lines[-1]
   # Here rather than in a test of its own, so that under xdist one worker trains the checkpoint.
-  check_bad_prompts_are_config_errors(tiny_checkpoints)
+  check_bad_prompts_are_config_errors(tiny_checkpoints, tmp_path)
   too_long = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt', 'def ',
                      '--max_new_tokens', '200', module='jaxllm.generate')
   assert too_long.returncode == 2
@@ -231,6 +281,20 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
       "--max_new_tokens or pass --context N."]
 
 
+def alone_on_one_device(checkpoints, texts, max_new_tokens):
+  """Greedy ids for each text alone, from the checkpoint's parameters on one device."""
+  from jaxllm.checkpoint import params_target, restore_params, saved_config
+  from jaxllm.data import load_tokenizer
+  cfg = saved_config(str(checkpoints), 'checkpoints')
+  mesh = make_mesh(ONE_DEVICE, jax.devices()[:1])
+  params = restore_params(str(checkpoints), params_target(cfg.model, mesh, cfg.sharding.rules),
+                          cfg.model, 'checkpoints')
+  tokenizer = load_tokenizer(cfg.data)
+  return [generate(cfg.model, params, tokenizer.encode(text).tolist()[:-1], max_new_tokens,
+                   greedy=True, eos_id=tokenizer.eos_id, rules=cfg.sharding.rules)
+          for text in texts]
+
+
 BAD_PROMPTS = [
     (['--prompt_ids', '256,400'], '--prompt_ids: token id 400 is outside the vocabulary'),
     (['--prompt_ids', '256,x'], '--prompt_ids'),
@@ -238,11 +302,16 @@ BAD_PROMPTS = [
     (['--prompt', 'def ', '--context', '8'], r'context of 8 \(--context\)'),
     (['--prompt_file', '/nonexistent/prompt.txt'],
      "--prompt_file='/nonexistent/prompt.txt' cannot be read"),
+    (['--prompt_file', '{tmp}/blank.txt'], r"--prompt_file='.*/blank.txt' has no prompts"),
+    (['--prompt_file', '{tmp}/long.txt'], r'--prompt_file line 2 is 201 tokens'),
 ]
 
 
-def check_bad_prompts_are_config_errors(checkpoints):
+def check_bad_prompts_are_config_errors(checkpoints, tmp):
+  (tmp / 'blank.txt').write_text('\n  \n')
+  (tmp / 'long.txt').write_text('def \n' + 'x' * 200 + '\n')
   for args, field in BAD_PROMPTS:
+    args = [a.format(tmp=tmp) for a in args]
     with pytest.raises(ConfigError, match=field):
       main(['generate', '--checkpoint', str(checkpoints), '--max_new_tokens', '8', *args])
 
@@ -265,6 +334,12 @@ BAD_FLAGS = {
     'missing_checkpoint': (['--checkpoint', '/nonexistent/run', '--prompt', 'x'],
                            "--checkpoint='/nonexistent/run' is not a directory"),
     'missing_hf_dir': (['--hf', '/nonexistent/llama', '--prompt', 'x'], "--hf='/nonexistent"),
+    'mesh_with_pipe': (['--checkpoint', 'a', '--prompt', 'x', '--mesh=pipe=2'],
+                       '--mesh=pipe=2: generation runs without a pipeline'),
+    'mesh_unknown_axis': (['--checkpoint', 'a', '--prompt', 'x', '--mesh=tensr=2'],
+                          r'--mesh=tensr=2: give axis=size pairs'),
+    'mesh_size': (['--checkpoint', 'a', '--prompt', 'x', '--mesh=tensor=two'],
+                  r'--mesh=tensor=two: give axis=size pairs'),
 }
 
 
@@ -272,6 +347,13 @@ BAD_FLAGS = {
 def test_bad_flags_are_config_errors(args, field):
   with pytest.raises(ConfigError, match=field):
     main(['generate', '--max_new_tokens', '4', *args])
+
+
+def test_a_mesh_larger_than_the_devices_is_a_config_error():
+  from jaxllm.generate import mesh_devices, parse_mesh
+  with pytest.raises(ConfigError, match=r'^--mesh=data=4,tensor=4 needs 16 devices, but 8 cpu '
+                     r'device\(s\) are present; use a smaller mesh\.$'):
+    mesh_devices(parse_mesh('data=4,tensor=4'), 'data=4,tensor=4')
 
 
 @pytest.mark.parametrize('name', ['missing_checkpoint', 'top_p'])
