@@ -21,7 +21,7 @@ REMAT_POLICIES = ('none', 'full', 'dots', 'dots_except_mlp', 'attention')
 ATTENTION_IMPLS = ('xla', 'cudnn')
 DTYPES = ('float32', 'bfloat16')
 DATA_SOURCES = ('files', 'synthetic')
-DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord')
+DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord', 'chat')
 PIPELINE_SCHEDULES = ('gpipe', 'circular')
 GATHER_MODES = ('step', 'iteration')
 ZERO_STAGES = (0, 1, 2)
@@ -189,10 +189,15 @@ def default_config() -> ConfigDict:
       path='',             # a file, a directory, or a glob of shards
       # 'auto' picks by extension (.jsonl, .parquet, .arrayrecord; anything else is text);
       # 'text': a document per file, 'lines': a document per line, 'arrayrecord': records of
-      # pre-tokenised documents (little-endian int32 ids).
+      # pre-tokenised documents (little-endian int32 ids), 'chat' (never picked by 'auto'):
+      # JSONL conversations {"messages": [{"role", "content"}, ...]}, rendered with the chat
+      # template and trained on the assistant's turns only.
       format='auto',
       text_field='text',   # the text column of JSONL and Parquet records
       tokenizer='byte',    # 'byte' (built in), a Hugging Face tokenizer.json, or a SentencePiece .model
+      # 'chat': a Jinja chat template file; '' takes the tokenizer's (chat_template.jinja, or
+      # chat_template in tokenizer_config.json, beside its tokenizer.json)
+      chat_template='',
       packing=True,        # pack documents into rows (attention stays inside each); False: one per row
       seq_len=128,
       eval_path='',        # held-out documents; or hold out a fraction of data.path:

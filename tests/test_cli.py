@@ -139,6 +139,24 @@ def test_tiny_config_trains_with_every_extra_split(tmp_path):
   assert (rules['seq'], rules['act_seq'], rules['kv_heads']) == (['fsdp'], ['tensor'], [])
 
 
+def test_tiny_config_fine_tunes_on_conversations(tmp_path):
+  """data.format='chat' from the command line: the byte tokenizer with a ChatML template file,
+  the loss on the assistant's replies only (test_chat.py checks which tokens)."""
+  from test_chat import TEMPLATE, conversations
+  (tmp_path / 'chats.jsonl').write_text(
+      ''.join(json.dumps({'messages': m}) + '\n' for m in conversations(40)))
+  (tmp_path / 'chatml.jinja').write_text(TEMPLATE)
+  workdir = tmp_path / 'run'
+  result = run_cli('--config', 'configs/tiny.py', '--config.data.format=chat',
+                   f'--config.data.path={tmp_path}/chats.jsonl',
+                   f'--config.data.chat_template={tmp_path}/chatml.jinja',
+                   '--config.eval.every=0', '--config.train.steps=40',
+                   '--config.train.log_every=20', f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = read_rows(workdir)
+  assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
+
+
 def test_tiny_config_trains_with_a_pipeline(tmp_path):
   workdir = tmp_path / 'run'
   result = run_cli('--config', 'configs/tiny.py', '--config.mesh.pipe=2', '--config.mesh.fsdp=1',
@@ -203,6 +221,9 @@ BAD_FILES = {
     'tokenizer_missing': ({}, ['--config.data.tokenizer={tmp}/tokenizer.json'], '/tokenizer.json'),
     'checkpoint_dir_not_writable': ({'a_file': ''}, ['--config.checkpoint.dir={tmp}/a_file/ckpt'],
                                     'checkpoint.dir'),
+    'chat_unknown_role': ({'chats.jsonl': '{"messages": [{"role": "bot", "content": "hi"}]}\n'},
+                          ['--config.data.format=chat', '--config.data.path={tmp}/chats.jsonl'],
+                          "has a message with role 'bot'"),
 }
 
 

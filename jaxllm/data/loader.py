@@ -9,7 +9,8 @@ of every batch (see `Streams`); a process reads the streams its devices' rows co
 
 Every array of a batch is [rows, seq_len]: 'inputs' and 'targets' (the next token), int32;
 'positions' of each input token in its document, int32; 'mask', float32, 1 where the target
-is a real token of the same document as the input. Packed rows also carry 'segment_ids'
+is a real token of the same document as the input (and, for chat data, said by the
+assistant: the loss is taken there only). Packed rows also carry 'segment_ids'
 (which document of the row each input token belongs to; 0 = padding), int32, for the
 attention mask; rows of one document each need only the causal mask, so they leave it out.
 """
@@ -28,7 +29,8 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxllm.config import ConfigError
-from jaxllm.data.sources import TokenRecords, split, stream_share
+from jaxllm.data.chat import ChatEncoder
+from jaxllm.data.sources import ChatFiles, TokenRecords, split, stream_share
 from jaxllm.data.tokenizer import load_tokenizer
 from jaxllm.mesh import batch_sharding
 
@@ -42,10 +44,12 @@ def to_example(rows: Batch, packed: bool, max_documents: int | None = None) -> B
   """Rows of seq_len + 1 tokens (with their segment ids and positions) -> the batch dict.
   Packed rows may hold at most `max_documents` documents (None: any number)."""
   tokens, segments = rows['tokens'], rows['tokens_segment_ids']
-  same_document = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+  trained = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+  if 'loss_mask' in rows:  # chat: the targets the assistant says
+    trained &= rows['loss_mask'][:, 1:] > 0
   example = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
              'positions': rows['tokens_positions'][:, :-1],
-             'mask': same_document.astype(np.float32)}
+             'mask': trained.astype(np.float32)}
   if packed:
     example['segment_ids'] = segments[:, :-1]
     if max_documents:
@@ -64,30 +68,37 @@ def check_documents(segment_ids: np.ndarray, max_documents: int) -> None:
         "model.max_documents, or use model.attention='xla' or data.packing=False.")
 
 
-def pad_document(tokens: np.ndarray, length: int) -> Batch:
-  """One document alone in a row: cut to `length` tokens, or padded with segment id 0."""
-  n = min(len(tokens), length)
-  padded = lambda values: np.pad(values, (0, length - n)).astype(np.int32)
-  return {'tokens': padded(tokens[:n]), 'tokens_segment_ids': padded(np.ones(n)),
-          'tokens_positions': padded(np.arange(n))}
+def pad_document(document: Batch, length: int) -> Batch:
+  """One document ({'tokens', and chat's 'loss_mask'}) alone in a row: cut to `length`
+  tokens, or padded with segment id 0."""
+  n = min(len(document['tokens']), length)
+  padded = lambda values: np.pad(values[:n], (0, length - n)).astype(np.int32)
+  return {**{k: padded(v) for k, v in document.items()},
+          'tokens_segment_ids': padded(np.ones(n)), 'tokens_positions': padded(np.arange(n))}
 
 
-def token_ids_fn(cfg: ConfigDict, documents) -> Callable[[object], np.ndarray]:
-  """The document -> token ids function of `documents`; model.vocab_size must cover the ids."""
+def tokenize_fn(cfg: ConfigDict, documents) -> Callable[[object], Batch]:
+  """The document -> {'tokens': ids} function of `documents` (chat adds 'loss_mask');
+  model.vocab_size must cover the ids."""
   vocab_size = cfg.model.vocab_size
   if isinstance(documents.source, TokenRecords):  # pre-tokenised: the ids are used as they are
     if len(documents):
       documents[0]  # the reader checks every record's ids (`split`); the first one now
-    return lambda ids: ids
+    return lambda ids: {'tokens': ids}
   tokenizer = load_tokenizer(cfg.data)
   if vocab_size < tokenizer.vocab_size:
     raise ConfigError(f'model.vocab_size={vocab_size} is smaller than the vocabulary of '
                       f'data.tokenizer={cfg.data.tokenizer!r} ({tokenizer.vocab_size} ids); '
                       f'set it to at least {tokenizer.vocab_size}.')
-  return tokenizer.encode
+  if isinstance(documents.source, ChatFiles):
+    encode = ChatEncoder(cfg.data, tokenizer)
+    if len(documents):
+      encode(documents[0])  # the template fails here, at start-up, not mid-run
+    return encode
+  return lambda text: {'tokens': tokenizer.encode(text)}
 
 
-def stream_batches(cfg: ConfigDict, documents, tokenize: Callable[[object], np.ndarray],
+def stream_batches(cfg: ConfigDict, documents, tokenize: Callable[[object], Batch],
                    rows: int, train: bool) -> grain.IterDataset:
   """Batches of `rows` rows of one stream's `documents`, endlessly; shuffled for training."""
   length = cfg.data.seq_len + 1  # inputs and targets are this shifted by one
@@ -99,11 +110,13 @@ def stream_batches(cfg: ConfigDict, documents, tokenize: Callable[[object], np.n
     docs = docs.shuffle(seed=cfg.train.seed)  # shuffled indices past the end: a new epoch order
   docs = docs.repeat().map(tokenize)
   if cfg.data.packing:
+    # Chat's loss flags are packed beside the tokens, into the same places.
+    features = ('tokens', 'loss_mask') if cfg.data.format == 'chat' else ('tokens',)
     packed = grain.experimental.ConcatThenSplitIterDataset(
-        docs.map(lambda ids: {'tokens': ids}).to_iter_dataset(READ_OPTIONS),
-        length_struct={'tokens': length})
+        docs.to_iter_dataset(READ_OPTIONS), length_struct={k: length for k in features})
   else:
-    packed = docs.map(lambda ids: pad_document(ids, length)).to_iter_dataset(READ_OPTIONS)
+    packed = docs.map(lambda document: pad_document(document, length)).to_iter_dataset(
+        READ_OPTIONS)
   max_documents = cfg.model.max_documents if cfg.model.attention == 'cudnn' else None
   batches = packed.batch(rows, drop_remainder=True).map(
       functools.partial(to_example, packed=cfg.data.packing, max_documents=max_documents))
@@ -170,7 +183,7 @@ class Streams:
     self._cfg, self._split, self._sharding, self.rows = cfg, split_name, sharding, rows
     # Opened once, shared by the streams; pre-tokenised ids are checked against the model.
     self._documents = split(cfg.data, split_name, cfg.model.vocab_size)
-    self._tokenize = token_ids_fn(cfg, self._documents)
+    self._tokenize = tokenize_fn(cfg, self._documents)
     self._rows = process_rows(sharding, rows)
     self._slot: dict[int, Iterator] = {}
     weakref.finalize(self, _release, self._slot)

@@ -52,6 +52,9 @@ def main(argv: list[str]) -> None:
     raise ConfigError('--out is required: the directory to write the ArrayRecord shards to.')
   if _SHARD_DOCS.value < 1:
     raise ConfigError(f'--shard_docs={_SHARD_DOCS.value} must be at least 1.')
+  if cfg.data.format == 'chat':
+    raise ConfigError("data.format='chat': conversations are rendered and tokenized as they "
+                      'are read (the records hold no loss mask); train on the JSONL files.')
   start_backends(cfg)
   pretokenize(cfg.data, _OUT.value, _SHARD_DOCS.value)
   print(f"train on them with --config.data.path='{os.path.join(_OUT.value, 'train-*.arrayrecord')}'")

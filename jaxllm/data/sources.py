@@ -16,6 +16,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxllm.config import DATA_FORMATS, ConfigError
+from jaxllm.data.chat import ROLES
 
 FORMAT_BY_EXTENSION = {'.jsonl': 'jsonl', '.json': 'jsonl', '.parquet': 'parquet',
                        '.arrayrecord': 'arrayrecord', '.array_record': 'arrayrecord'}
@@ -142,6 +143,36 @@ class JsonlFiles(LineFiles):
     return text
 
 
+class ChatFiles(LineFiles):
+  """One conversation per line: the `messages` list of a JSON object, each message a
+  {'role', 'content'} of strings. The first record is checked here."""
+
+  def __init__(self, files):
+    super().__init__(files)
+    if len(self):
+      self[0]
+
+  def read(self, f, i):
+    where = f'{self.files[f]} (record {i + 1})'
+    try:
+      messages = json.loads(self.read_line(f, i)).get('messages')
+    except (ValueError, AttributeError):
+      raise ConfigError(f"{where} is not a JSON object; data.format='chat' needs one per "
+                        'line.') from None
+    if not isinstance(messages, list) or not messages:
+      raise ConfigError(f'{where} has no "messages" list; data.format=\'chat\' needs '
+                        '{"messages": [{"role": ..., "content": ...}, ...]} per line.')
+    for message in messages:
+      if not (isinstance(message, dict) and isinstance(message.get('role'), str) and
+              isinstance(message.get('content'), str)):
+        raise ConfigError(f'{where} has a message that is not {{"role": str, "content": str}}: '
+                          f'{json.dumps(message)[:80]}; fix the record.')
+      if message['role'] not in ROLES:
+        raise ConfigError(f'{where} has a message with role {message["role"]!r}; roles are '
+                          f'{", ".join(ROLES)}.')
+    return messages
+
+
 class ParquetFiles(_Files):
   """One document per row of the `field` column.
 
@@ -246,6 +277,8 @@ def open_documents(data_cfg: ConfigDict, path: str, field: str = 'data.path',
     return LineFiles(files)
   if kind == 'jsonl':
     return JsonlFiles(files, data_cfg.text_field)
+  if kind == 'chat':
+    return ChatFiles(files)
   if kind == 'parquet':
     return ParquetFiles(files, data_cfg.text_field)
   return TokenRecords(files, vocab_size)

@@ -31,6 +31,9 @@ class Tokenizer(Protocol):
 
   def encode(self, text: str) -> np.ndarray: ...
   def decode(self, ids: Sequence[int]) -> str: ...
+  # The ids of `text` as it stands, adding no BOS/EOS (a chat template writes its own special
+  # tokens), and the character offset in `text` where each id's text starts.
+  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class ByteTokenizer:
@@ -45,6 +48,11 @@ class ByteTokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(int(i) for i in ids if 0 <= i < 256).decode('utf-8', errors='replace')
+
+  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    sizes = [len(c.encode('utf-8')) for c in text]  # a character is 1-4 bytes
+    ids = np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32)
+    return ids, np.repeat(np.arange(len(text)), sizes)
 
 
 class HuggingFaceTokenizer:
@@ -83,6 +91,11 @@ class HuggingFaceTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return (np.asarray(encoding.ids, np.int32),
+            np.asarray([start for start, _ in encoding.offsets], np.int64))
+
 
 class SentencePieceTokenizer:
   """A SentencePiece .model; BOS/EOS are the model's own (-1 there: none)."""
@@ -101,6 +114,11 @@ class SentencePieceTokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._sp.decode([int(i) for i in ids])
+
+  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    raise ConfigError("data.format='chat' needs a Hugging Face tokenizer.json or the byte "
+                      'tokenizer (a SentencePiece .model gives no character offsets); convert '
+                      'the tokenizer to a tokenizer.json.')
 
 
 def load_tokenizer(data_cfg: ConfigDict) -> Tokenizer:
