@@ -57,8 +57,8 @@ def default_config() -> ConfigDict:
   # latency-hiding scheduler lets GPU collectives overlap compute; CPUs ignore GPU flags.
   c.xla_flags = '--xla_gpu_enable_latency_hiding_scheduler=true'
   # A training run keeps its compiled programs here, and the next run of the same programs
-  # reads them back instead of compiling. 'auto': jaxllm/compilation under the user's cache directory
-  # ($XDG_CACHE_HOME, else ~/.cache); '': no cache.
+  # reads them back instead of compiling. 'auto': jaxllm/compilation under the user's cache
+  # directory ($XDG_CACHE_HOME, else ~/.cache); '': no cache.
   c.compilation_cache = 'auto'
 
   c.model = ConfigDict(dict(
@@ -239,7 +239,7 @@ def default_config() -> ConfigDict:
   # Where the rows of <workdir>/metrics.jsonl go besides (process 0 only).
   c.metrics = ConfigDict(dict(
       tensorboard=True,    # TensorBoard event files in <workdir>/tensorboard, and the config
-      wandb_project='',    # a Weights & Biases project to log to as well ('': none); `pip install wandb`
+      wandb_project='',    # also log to this Weights & Biases project ('': no); needs wandb
   ))
 
   # A jax.profiler trace of steps start_step … start_step+steps-1 into <workdir>/profile.

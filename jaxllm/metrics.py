@@ -86,8 +86,14 @@ class WeightsAndBiases:
 
   def __init__(self, project: str, workdir: str, config: ConfigDict):
     import wandb  # config.validate has checked it is installed
-    self._run = wandb.init(project=project, name=os.path.basename(os.path.abspath(workdir)),
-                           config=config.to_dict(), dir=workdir)
+    try:
+      self._run = wandb.init(project=project, name=os.path.basename(os.path.abspath(workdir)),
+                             config=config.to_dict(), dir=workdir)
+    except Exception as e:  # wandb raises its own types: not logged in, no network, ...
+      reason = (str(e).splitlines() or [type(e).__name__])[0]
+      raise ConfigError(f'metrics.wandb_project={project!r}: W&B did not start ({reason}); run '
+                        "`wandb login` (or set WANDB_MODE=offline), or set "
+                        "metrics.wandb_project=''.") from None
 
   def write(self, row: dict) -> None:
     self._run.log({k: v for k, v in row.items() if k != 'step'}, step=row['step'])

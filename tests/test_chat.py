@@ -172,7 +172,8 @@ BAD_CHATS = {
                                       {'role': 'bot', 'content': 'hello'}]}, {},
                      r"chats.jsonl \(record 1\) has a message with role 'bot'; roles are "
                      'system, user, assistant, tool'),
-    'no_messages': ({'chats.jsonl': 'text'}, {}, r'chats.jsonl \(record 1\) has no "messages" list'),
+    'no_messages': ({'chats.jsonl': 'text'}, {},
+                    r'chats.jsonl \(record 1\) has no "messages" list'),
     'template_missing': ({}, dict(chat_template='{tmp}/none.jinja'),
                          r"data.chat_template='.*/none.jinja' cannot be read"),
 }
