@@ -402,3 +402,11 @@ def test_wandb_gets_the_config_and_every_row_at_its_step(monkeypatch, tmp_path):
       ('log', {'eval_loss': 2.7, 'eval_perplexity': 14.9}, 10),
       ('finish',)]
   assert not (tmp_path / 'run' / 'tensorboard').exists()  # metrics.tensorboard=False
+
+  def refuse(**kwargs):
+    raise RuntimeError('api_key not configured (no-tty)\nmore detail')
+
+  wandb.init = refuse
+  with pytest.raises(ConfigError, match=r"^metrics.wandb_project='mine': W&B did not start "
+                     r"\(api_key not configured \(no-tty\)\); run `wandb login`"):
+    MetricsLog(str(tmp_path / 'run'), cfg)
