@@ -123,26 +123,13 @@ def test_a_tensorboard_dir_that_cannot_be_written_is_a_config_error(tmp_path):
   assert sorted(os.listdir(workdir)) == ['tensorboard']
 
 
-def test_tiny_config_trains_with_every_extra_split(tmp_path):
-  """One K/V head over tensor=2 (replicated), the sequence split over fsdp (context
-  parallelism) and the residual stream over tensor too (sequence parallelism), ZeRO-1 over
-  data: all from the command line, on tiny's data=2 × fsdp=2 × tensor=2."""
-  workdir = tmp_path / 'run'
-  result = run_cli('--config', 'configs/tiny.py', '--config.model.num_kv_heads=1',
-                   "--config.sharding.rules.batch=('data',)",
-                   "--config.sharding.rules.seq=('fsdp',)",
-                   "--config.sharding.rules.act_seq=('tensor',)", '--config.sharding.zero=1',
-                   '--config.train.steps=40', '--config.train.log_every=20', f'--workdir={workdir}')
-  assert result.returncode == 0, result.stderr[-2000:]
-  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
-  rules = json.loads((workdir / 'config.json').read_text())['sharding']['rules']
-  assert (rules['seq'], rules['act_seq'], rules['kv_heads']) == (['fsdp'], ['tensor'], [])
-
-
-def test_tiny_config_fine_tunes_on_conversations(tmp_path):
-  """data.format='chat' from the command line: the byte tokenizer with a ChatML template file,
-  the loss on the assistant's replies only (test_chat.py checks which tokens)."""
+def test_tiny_config_fine_tunes_on_conversations_with_every_extra_split(tmp_path):
+  """data.format='chat' (the byte tokenizer with a ChatML template file; the loss on the
+  assistant's replies only, test_chat.py checks which tokens) with one K/V head over
+  tensor=2 (replicated), the sequence split over fsdp (context parallelism: packed
+  conversations keep to their own segments) and the residual stream over tensor too
+  (sequence parallelism), ZeRO-1 over data: all from the command line, on tiny's
+  data=2 × fsdp=2 × tensor=2."""
   from test_chat import TEMPLATE, conversations
   (tmp_path / 'chats.jsonl').write_text(
       ''.join(json.dumps({'messages': m}) + '\n' for m in conversations(40)))
@@ -150,12 +137,18 @@ def test_tiny_config_fine_tunes_on_conversations(tmp_path):
   workdir = tmp_path / 'run'
   result = run_cli('--config', 'configs/tiny.py', '--config.data.format=chat',
                    f'--config.data.path={tmp_path}/chats.jsonl',
-                   f'--config.data.chat_template={tmp_path}/chatml.jinja',
-                   '--config.eval.every=0', '--config.train.steps=40',
-                   '--config.train.log_every=20', f'--workdir={workdir}')
+                   f'--config.data.chat_template={tmp_path}/chatml.jinja', '--config.eval.every=0',
+                   '--config.model.num_kv_heads=1', "--config.sharding.rules.batch=('data',)",
+                   "--config.sharding.rules.seq=('fsdp',)",
+                   "--config.sharding.rules.act_seq=('tensor',)", '--config.sharding.zero=1',
+                   '--config.train.steps=40', '--config.train.log_every=20', f'--workdir={workdir}')
   assert result.returncode == 0, result.stderr[-2000:]
   rows = read_rows(workdir)
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
+  saved = json.loads((workdir / 'config.json').read_text())
+  rules = saved['sharding']['rules']
+  assert (rules['seq'], rules['act_seq'], rules['kv_heads']) == (['fsdp'], ['tensor'], [])
+  assert saved['data']['format'] == 'chat'
 
 
 def test_tiny_config_trains_with_a_pipeline(tmp_path):

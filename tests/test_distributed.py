@@ -80,6 +80,11 @@ def test_two_processes_train_save_and_restore_like_one(tmp_path):
   assert_same_losses(losses(two), losses(one))
   assert 'split between hosts: data=2' in out0  # the two-level mesh
   assert 'step 1 ' in out0 and 'step 1 ' not in out1  # process 0 alone reports
+  # ... and alone writes TensorBoard's events: each step's loss once.
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(two / 'tensorboard'))
+  events.Reload()
+  assert [e.step for e in events.Scalars('loss')] == [1, 2, 3, 4]
 
   # Both processes wrote their part: array shards, and each its data stream's position.
   saved = two / 'checkpoints' / '2'
