@@ -536,10 +536,19 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
 
 # ----------------------------------------------------------------------------- command line
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.')
 _WORKDIR = flags.DEFINE_string('workdir', None,
                                'Run directory for metrics, logs and checkpoints; a run resumes '
                                'from its checkpoints (default: runs/<config name>).')
+
+
+def _define_config_flag(argv: list[str]) -> flags.FlagHolder:
+  """`--config` and its `--config.a.b` overrides, defined afresh for `argv`: config_flags reads
+  the overrides from the argv it is given and defines a flag for each, so a second parse in
+  one process (a notebook, a test) must not find the first one's."""
+  for name in [n for n in flags.FLAGS if n == 'config' or n.startswith('config.')]:
+    delattr(flags.FLAGS, name)
+  return config_flags.DEFINE_config_file('config', None, 'Path to a config file in configs/.',
+                                         sys_argv=argv)
 
 
 def load_config(path: str) -> ConfigDict:
@@ -595,9 +604,11 @@ def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
   if not os.path.isfile(config_path):
     raise ConfigError(f'--config {config_path}: no such file; pass a file from configs/, '
                       'e.g. configs/tiny.py.')
+  config_flag = _define_config_flag(normalised)
+  flags.FLAGS.unparse_flags()  # the other flags start from their defaults too
   try:
     flags.FLAGS(normalised)
-    cfg = _CONFIG.value
+    cfg = config_flag.value
   except (AttributeError, KeyError) as e:
     raise ConfigError(_unknown_override(config_path, normalised) or f'bad config override: {e}') from None
   except flags.Error as e:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_cli, small_config
+from jaxllm import train
 from jaxllm.config import ConfigError, validate
 from jaxllm.metrics import MetricsLog
 
@@ -221,27 +222,63 @@ BAD_FILES = {
 }
 
 
-@pytest.mark.parametrize('files,args,field', BAD_FILES.values(), ids=BAD_FILES.keys())
-def test_bad_data_or_checkpoint_input_is_one_readable_line(files, args, field, tmp_path):
-  for name, text in files.items():
-    if name.endswith('/'):
-      (tmp_path / name).mkdir()
+# Every case runs through `jaxllm-train`'s entry point in this process (a fresh one costs
+# seconds) as a single process. These also run as the command in a fresh process, for its
+# exit status and an stderr that holds nothing else: one for each place bad input is caught
+# (the flags, the config's checks, the data), and the distributed set-up's, which only a
+# fresh process may start.
+FROM_THE_COMMAND = ('bad_value', 'mesh_product', 'chat_unknown_role')
+DISTRIBUTED = ('process_id', 'coordinator_port')
+IN_THIS_PROCESS = [name for name in [*BAD_INPUTS, *BAD_FILES] if name not in DISTRIBUTED]
+
+
+def bad_case(name, tmp_path) -> tuple[list[str], str]:
+  """The command-line arguments of a bad-input case (its files made in tmp_path) and the
+  field its error must name."""
+  if name in BAD_INPUTS:
+    return BAD_INPUTS[name]
+  files, args, field = BAD_FILES[name]
+  for file_name, text in files.items():
+    if file_name.endswith('/'):
+      (tmp_path / file_name).mkdir()
     else:
-      (tmp_path / name).write_text(text)
-  args = [a.format(tmp=tmp_path) for a in args]
-  test_bad_input_is_one_readable_line(args, field, tmp_path)
+      (tmp_path / file_name).write_text(text)
+  return [a.format(tmp=tmp_path) for a in args], field
 
 
-@pytest.mark.parametrize('args,field', BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
-def test_bad_input_is_one_readable_line(args, field, tmp_path):
+def assert_one_readable_line(code, stdout, stderr, field, workdir):
+  assert code != 0
+  lines = [line for line in stderr.splitlines() if line.strip()]
+  assert len(lines) == 1, stderr
+  assert lines[0].startswith('error: ') and field in lines[0]
+  assert 'Traceback' not in stdout + stderr
+  assert not os.path.exists(workdir)
+
+
+@pytest.mark.parametrize('name', IN_THIS_PROCESS)
+def test_bad_input_is_one_readable_line(name, tmp_path, monkeypatch, capfd):
+  args, field = bad_case(name, tmp_path)
+  workdir = tmp_path / 'run'
+  monkeypatch.chdir(REPO)
+  monkeypatch.setattr(sys, 'argv', ['jaxllm-train', '--config', 'configs/tiny.py', *args,
+                                    f'--workdir={workdir}',
+                                    # one process, as the test's backends have started
+                                    '--config.distributed.num_processes=1',
+                                    # left on, the cache would stay on in this process
+                                    '--config.compilation_cache='])
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))  # the config adds to them
+  with pytest.raises(SystemExit) as exit:
+    train.cli()
+  out = capfd.readouterr()
+  assert_one_readable_line(exit.value.code, out.out, out.err, field, workdir)
+
+
+@pytest.mark.parametrize('name', FROM_THE_COMMAND + DISTRIBUTED)
+def test_bad_input_is_one_readable_line_from_the_command(name, tmp_path):
+  args, field = bad_case(name, tmp_path)
   workdir = tmp_path / 'run'
   result = run_cli('--config', 'configs/tiny.py', *args, f'--workdir={workdir}')
-  assert result.returncode != 0
-  lines = [line for line in result.stderr.splitlines() if line.strip()]
-  assert len(lines) == 1, result.stderr
-  assert lines[0].startswith('error: ') and field in lines[0]
-  assert 'Traceback' not in result.stdout + result.stderr
-  assert not os.path.exists(workdir)
+  assert_one_readable_line(result.returncode, result.stdout, result.stderr, field, workdir)
 
 
 # Numeric fields outside their meaningful range, checked in-process by `validate` (the CLI
