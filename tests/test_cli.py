@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, run_cli, small_config
 from jaxllm import train
-from jaxllm.config import ConfigError, validate
+from jaxllm.config import ConfigError, load_config, parse_command_line, validate
 from jaxllm.metrics import MetricsLog
 
 
@@ -358,6 +358,21 @@ def test_numbers_at_the_edge_of_their_range_are_valid():
            ONE_DEVICE)
   validate(with_fields({'optim.min_lr_ratio': 1.0, 'optim.schedule': 'wsd'}),
            ONE_DEVICE)
+
+
+def test_a_second_command_line_in_one_process_starts_from_the_config(monkeypatch):
+  """Nothing of the first parse (its overrides, its workdir) leaks into the next."""
+  monkeypatch.chdir(REPO)
+  tiny = load_config('configs/tiny.py')
+  cfg, workdir = parse_command_line(['jaxllm-train', '--config', 'configs/tiny.py',
+                                     '--config.train.steps=7', '--config.mesh.tensor=4',
+                                     '--workdir=/tmp/first'])
+  assert (cfg.train.steps, cfg.mesh.tensor, workdir) == (7, 4, '/tmp/first')
+  cfg, workdir = parse_command_line(['jaxllm-train', '--config=configs/tiny.py',
+                                     '--config.model.num_layers=3'])
+  assert cfg.model.num_layers == 3 and tiny.model.num_layers != 3
+  assert (cfg.train.steps, cfg.mesh.tensor) == (tiny.train.steps, tiny.mesh.tensor) != (7, 4)
+  assert workdir == os.path.join('runs', 'tiny')
 
 
 def test_missing_config_file_is_one_readable_line():
