@@ -267,10 +267,10 @@ def test_bad_input_is_one_readable_line(name, tmp_path, monkeypatch, capfd):
                                     # left on, the cache would stay on in this process
                                     '--config.compilation_cache='])
   monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))  # the config adds to them
-  with pytest.raises(SystemExit) as exit:
+  with pytest.raises(SystemExit) as stopped:
     train.cli()
   out = capfd.readouterr()
-  assert_one_readable_line(exit.value.code, out.out, out.err, field, workdir)
+  assert_one_readable_line(stopped.value.code, out.out, out.err, field, workdir)
 
 
 @pytest.mark.parametrize('name', FROM_THE_COMMAND + DISTRIBUTED)
