@@ -182,7 +182,7 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   act_bytes = jnp.dtype(m.dtype).itemsize
   a = act_bytes / jnp.dtype(m.param_dtype).itemsize
   g = jnp.dtype(m.grad_reduce_dtype).itemsize / jnp.dtype(m.param_dtype).itemsize
-  shards = batch_shards(cfg, shape)
+  shards = batch_shards(cfg.sharding.rules, shape)
   rows = t.global_batch // t.micro_batches // shards  # b per micro-batch on one device
   seq_parts = math.prod(shape[a] for a in rule_axes(cfg.sharding.rules.seq))
   bsh = rows * cfg.data.seq_len // seq_parts * m.embed_dim * act_bytes  # s: this device's

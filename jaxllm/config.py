@@ -355,7 +355,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   if cfg.pipeline.microbatches < 0:
     raise ConfigError(f'pipeline.microbatches={cfg.pipeline.microbatches} must be at least 0 '
                       '(0: 2 × mesh.pipe).')
-  shards, split = batch_shards(cfg, mesh_shape), _batch_split(cfg)
+  shards, split = batch_shards(cfg.sharding.rules, mesh_shape), _batch_split(cfg)
   if t.global_batch % (shards * t.micro_batches):
     raise ConfigError(
         f'train.global_batch={t.global_batch} is not divisible by {split}×micro_batches = '
@@ -383,9 +383,9 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _replicate_shared_kv_heads(cfg, mesh_shape)
 
 
-def batch_shards(cfg: ConfigDict, mesh_shape: dict[str, int]) -> int:
-  """How many ways the batch's rows are split: the sizes of sharding.rules.batch's axes."""
-  return math.prod(mesh_shape[a] for a in rule_axes(cfg.sharding.rules.batch))
+def batch_shards(rules: ConfigDict, mesh_shape: dict[str, int]) -> int:
+  """How many ways the batch's rows are split: the sizes of the batch rule's axes."""
+  return math.prod(mesh_shape[a] for a in rule_axes(rules.batch))
 
 
 def _batch_split(cfg: ConfigDict) -> str:
@@ -525,7 +525,7 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
                       f'runs the output head on M/S of them; use {S}, {2 * S} (a smaller bubble) '
                       'or another multiple.')
   slice_rows = cfg.train.global_batch // cfg.train.micro_batches
-  shards = batch_shards(cfg, mesh_shape)
+  shards = batch_shards(cfg.sharding.rules, mesh_shape)
   if slice_rows % (M * shards):
     raise ConfigError(
         f'train.global_batch={cfg.train.global_batch} (÷ train.micro_batches='

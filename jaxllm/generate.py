@@ -29,9 +29,10 @@ from ml_collections import ConfigDict
 
 from jaxllm.backends import start_backends
 from jaxllm.checkpoint import params_target, restore_params, saved_config
-from jaxllm.config import ConfigError, context_length, default_config, main_guard
+from jaxllm.config import (ConfigError, batch_shards, context_length, default_config,
+                           main_guard)
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.mesh import batch_sharding, flax_rules, make_mesh, sharding_context, spec_axes
+from jaxllm.mesh import batch_sharding, flax_rules, make_mesh, sharding_context
 from jaxllm.model import KVCache, Transformer, sequence_positions
 
 # Written into the output after a row's EOS, and cut off before the ids are returned.
@@ -162,12 +163,10 @@ def _check_prompts(rows: list[list[int]], vocab_size: int, max_new_tokens: int) 
     raise ConfigError(f'max_new_tokens={max_new_tokens} must be at least 1.')
 
 
-def batch_shards(mesh: jax.sharding.Mesh, rules) -> int:
-  """How many ways the mesh splits a batch of prompts (refusing a pipeline)."""
+def _refuse_a_pipeline(mesh: jax.sharding.Mesh) -> None:
   if mesh.shape['pipe'] > 1:
     raise ConfigError(f'mesh pipe={mesh.shape["pipe"]}: generation runs without a pipeline; '
                       'use a mesh with pipe=1 (put the devices on data, fsdp or tensor).')
-  return math.prod(mesh.shape[a] for a in spec_axes(batch_sharding(mesh, rules, 2).spec[0]))
 
 
 def generate(model_cfg: ConfigDict, params: nnx.State, prompt_ids, max_new_tokens: int, *,
@@ -192,7 +191,8 @@ def generate(model_cfg: ConfigDict, params: nnx.State, prompt_ids, max_new_token
   _check_prompts(rows, model_cfg.vocab_size, max_new_tokens)
   mesh = _mesh_of(params) if mesh is None else mesh
   rules = default_config().sharding.rules if rules is None else rules
-  shards = batch_shards(mesh, rules)
+  _refuse_a_pipeline(mesh)
+  shards = batch_shards(rules, mesh.shape)
   count = len(rows)
   rows += [rows[0]] * (-count % shards)
   P = max(len(row) for row in rows)

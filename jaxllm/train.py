@@ -139,7 +139,7 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | 
              batches=None) -> str:
   """The derived numbers a user should see before the first step."""
   t, m = cfg.train, cfg.model
-  shards = batch_shards(cfg, mesh.shape)
+  shards = batch_shards(cfg.sharding.rules, mesh.shape)
   params = metrics.param_counts(m)
   flops = metrics.flops_per_token(m, cfg.data.seq_len)
   micro = t.global_batch // t.micro_batches

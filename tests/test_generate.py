@@ -29,12 +29,20 @@ def model_cfg():
   return cfg
 
 
+def create_params(cfg):
+  return nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def shardings_on(mesh, cfg):
+  """Where training puts each parameter on `mesh` (by the rules)."""
+  with sharding_context(mesh, RULES):
+    return nnx.get_named_sharding(jax.eval_shape(lambda: create_params(cfg)), mesh)
+
+
 def params_on(mesh, cfg):
   """The model's parameters, created sharded on `mesh`."""
-  create = lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))
   with sharding_context(mesh, RULES):
-    shardings = nnx.get_named_sharding(jax.eval_shape(create), mesh)
-    return jax.jit(create, out_shardings=shardings)()
+    return jax.jit(lambda: create_params(cfg), out_shardings=shardings_on(mesh, cfg))()
 
 
 def prompts(batch, length=6):
@@ -102,13 +110,6 @@ def test_prompts_of_different_lengths_in_one_batch_equal_each_alone(one_device_p
   assert got == [cut(row) for row in each_alone] and len(got[1]) == 3
 
 
-def on_mesh(params, mesh):
-  """`params` placed on `mesh` as training shards them (by the rules)."""
-  with sharding_context(mesh, RULES):
-    abstract = nnx.eval_shape(lambda: nnx.state(Transformer(model_cfg(), rngs=nnx.Rngs(0))))
-    return jax.device_put(params, nnx.get_named_sharding(abstract, mesh))
-
-
 @pytest.mark.parametrize('axes', [dict(tensor=2), dict(fsdp=2), dict(data=2, fsdp=2, tensor=2)],
                          ids=lambda axes: '_'.join(f'{a}{n}' for a, n in axes.items()))
 def test_a_batch_on_a_mesh_equals_each_prompt_alone_on_one_device(axes, one_device_params,
@@ -117,7 +118,7 @@ def test_a_batch_on_a_mesh_equals_each_prompt_alone_on_one_device(axes, one_devi
   multiple of it) and the parameters split as in training."""
   mesh_shape = {**ONE_DEVICE, **axes}
   mesh = make_mesh(mesh_shape, jax.devices()[:math.prod(mesh_shape.values())])
-  params = on_mesh(one_device_params, mesh)
+  params = jax.device_put(one_device_params, shardings_on(mesh, model_cfg()))
   if 'tensor' in axes:
     assert params['blocks']['attn']['wq_DNH'].sharding.spec[-2] == 'tensor'
   got = generate(model_cfg(), params, RAGGED[:3], NEW_TOKENS, greedy=True)  # the params' mesh
