@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from jaxllm import metrics
 from jaxllm.backends import start_backends
-from jaxllm.config import main_guard, parse_command_line
+from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.train import setup
 from timing import time_steps  # benchmarks/ is on the path when this runs as a script
 

@@ -15,8 +15,8 @@ import jax
 from absl import flags
 
 from jaxllm.backends import start_backends
-from jaxllm.config import main_guard, parse_command_line
-from jaxllm.mesh import sharding_context
+from jaxllm.cli import main_guard, parse_command_line
+from jaxllm.parallel.mesh import sharding_context
 from jaxllm.train import setup
 
 _SAVES = flags.DEFINE_integer('saves', 5, 'Saves timed per mode (after one untimed).')
@@ -29,7 +29,7 @@ def time_saves(cfg, async_save: bool, saves: int) -> tuple[float, float, int]:
   with tempfile.TemporaryDirectory() as workdir:
     run = setup(cfg, workdir=workdir)
     state, batch = run.state, next(run.batches)
-    with sharding_context(run.mesh, cfg.sharding.rules):
+    with sharding_context(run.mesh, run.layout.rules):
       step = run.train_step.lower(state, batch).compile()
     blocked, written = [], []
     for i in range(saves + 1):

@@ -17,7 +17,8 @@ import time
 import jax
 
 from jaxllm.backends import start_backends
-from jaxllm.config import load_config, resolve_mesh
+from jaxllm.cli import load_config
+from jaxllm.validate import resolve_mesh
 
 _args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _args.add_argument('--config', default='configs/tiny.py')
@@ -32,7 +33,7 @@ from timing import time_steps  # noqa: E402
 from jaxllm.data import make_batches  # noqa: E402
 from jaxllm.data.pretokenize import pretokenize  # noqa: E402
 from jaxllm.data.sources import open_documents  # noqa: E402
-from jaxllm.mesh import make_mesh  # noqa: E402
+from jaxllm.parallel.mesh import make_mesh  # noqa: E402
 from jaxllm.train import setup  # noqa: E402
 
 

@@ -22,8 +22,9 @@ from ml_collections import ConfigDict
 
 from jaxllm import analyze
 from jaxllm.backends import gpu_devices, start_backends
-from jaxllm.config import main_guard, parse_command_line
-from jaxllm.hardware import hardware_profile
+from jaxllm.cli import main_guard, parse_command_line
+from jaxllm.cost import report
+from jaxllm.cost.hardware import hardware_profile
 
 from programs import per_axis_text
 
@@ -48,7 +49,7 @@ def largest_fitting_batch(cfg: ConfigDict, hardware, devices, fits: bool) -> str
   if not fits:
     return f'< {batch}'
   for _ in range(_MAX_DOUBLINGS.value):
-    if not analyze.analyze(with_changes(cfg, train__global_batch=2 * batch), hardware,
+    if not report.analyze(with_changes(cfg, train__global_batch=2 * batch), hardware,
                            devices)['fits']:
       return str(batch)
     batch *= 2
@@ -69,10 +70,10 @@ def main(argv: list[str]) -> None:
   tokens = cfg.train.global_batch * cfg.data.seq_len
   for policy in _REMAT.value:
     c = with_changes(cfg, model__remat=policy)
-    r = analyze.analyze(c, hardware, devices)
+    r = report.analyze(c, hardware, devices)
     model = r['flops']['model_per_token_causal'] * tokens
     recomputed = r['flops']['compiled_per_step'] - model
-    print(f'| {policy} | {per_axis_text(r)} | {analyze.size_text(r["memory"]["peak"])} | '
+    print(f'| {policy} | {per_axis_text(r)} | {report.size_text(r["memory"]["peak"])} | '
           f'{recomputed / 1e15:.2f} PFLOP ({recomputed / model:.0%}) | '
           f'{largest_fitting_batch(c, hardware, devices, r["fits"])} | '
           f'{r["prediction"]["mfu"]:.1%} / {r["prediction"]["mfu_causal"]:.1%} |', flush=True)

@@ -14,7 +14,7 @@ device, MFU in both FLOP conventions and peak device memory.
 on the same batch and weights, prints jaxllm's throughput over the plain one, and checks both
 give the same first-step loss. `--largest` finds, for every remat policy, the most layers of
 the configured width whose train step fits one device's memory (fsdp=1: the whole state on
-it), compiling from shapes alone (`jaxllm.analyze.compile_step`); `--steps 0` skips the timed
+it), compiling from shapes alone (`jaxllm.cost.compile.compile_step`); `--steps 0` skips the timed
 run. Bad input stops with one line (`error: ...`) and exit status 2.
 """
 
@@ -32,11 +32,15 @@ from ml_collections import ConfigDict
 
 import plain_llama  # benchmarks/ is on the path when this runs as a script
 from timing import time_steps, timed
-from jaxllm import analyze, metrics
+from jaxllm import metrics
 from jaxllm.backends import start_backends
-from jaxllm.config import (ConfigError, TrainingError, main_guard, parse_command_line,
-                           resolve_mesh, validate)
-from jaxllm.model import REMAT, available_attention
+from jaxllm.cli import main_guard, parse_command_line
+from jaxllm.config import ConfigError, TrainingError
+from jaxllm.validate import resolve_mesh, validate
+from jaxllm.cost import report
+from jaxllm.cost.compile import compile_step
+from jaxllm.model import with_available_attention
+from jaxllm.model.remat import REMAT
 from jaxllm.optim import make_optimizer
 from jaxllm.train import setup
 
@@ -75,7 +79,7 @@ def device_peak_bytes(device) -> int | None:
 def time_jaxllm(run, first_batch, steps: int, warmup: int) -> dict:
   step_s, compile_s, compiled, first = time_steps(run, steps, warmup, first_batch)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': analyze.peak_bytes(compiled)}
+          'compiled_peak': report.peak_bytes(compiled)}
 
 
 def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> dict:
@@ -96,7 +100,7 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
   batches = itertools.chain([first_batch], run.batches)
   step_s, first = timed(state_step, (params, opt_state), batches, steps, warmup)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': analyze.peak_bytes(compiled)}
+          'compiled_peak': report.peak_bytes(compiled)}
 
 
 def search_layers(peak_of, fits, cap: int) -> tuple[int, int | None]:
@@ -139,7 +143,7 @@ def largest(cfg: ConfigDict, memory_bytes: float, cap: int,
       c.model.update(remat=policy, num_layers=layers)
       c.mesh.update(data=1, fsdp=1, pipe=1, tensor=1)
       try:
-        return analyze.memory(analyze.compile_step(c, device))['peak']
+        return report.memory(compile_step(c, device))['peak']
       except jax.errors.JaxRuntimeError as e:  # a GPU compiler may run out while autotuning
         if 'RESOURCE_EXHAUSTED' in str(e) or 'out of memory' in str(e).lower():
           return math.inf
@@ -166,7 +170,7 @@ def versions() -> str:
 
 
 def size_text(n) -> str:
-  return 'n/a' if n is None else analyze.size_text(n)
+  return 'n/a' if n is None else report.size_text(n)
 
 
 def config_lines(cfg: ConfigDict, mesh_shape: dict[str, int]) -> list[str]:
@@ -287,7 +291,7 @@ def main(argv: list[str]) -> None:
   else:  # --largest alone: nothing to allocate, but the config is checked all the same
     run, mesh_shape, device = None, resolve_mesh(cfg.mesh, jax.device_count()), jax.devices()[0]
     validate(cfg, mesh_shape)
-    cfg.model.attention = available_attention(cfg.model, device.platform)
+    cfg.model = with_available_attention(cfg.model, device.platform)
   platform = '; '.join(device.client.platform_version.splitlines())  # e.g. the CUDA version
   lines = [
       f'command   {shlex.join(["python", *argv])}',

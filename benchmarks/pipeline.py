@@ -1,6 +1,6 @@
 """Pipeline benchmark: step time of pipe=2/4 (GPipe, circular) relative to pipe=1, measured
 in one process, and the bytes each device sends over the pipe axis per step, compiled
-(`jaxllm.hlo`) against the analytic figure (`jaxllm.analyze.expected_bytes`).
+(`jaxllm.cost.hlo`) against the analytic figure (`jaxllm.cost.traffic.expected_bytes`).
 
     python benchmarks/pipeline.py [--steps 10] [--layers 8] [--batch 8]
 
@@ -17,9 +17,10 @@ jax.config.update('jax_platforms', 'cpu')  # a CPU benchmark, on any machine
 jax.config.update('jax_num_cpu_devices', 8)
 
 from timing import time_steps  # noqa: E402
-from jaxllm import hlo  # noqa: E402
-from jaxllm.analyze import compile_step, expected_bytes  # noqa: E402
-from jaxllm.config import load_config  # noqa: E402
+from jaxllm.cli import load_config  # noqa: E402
+from jaxllm.cost import hlo  # noqa: E402
+from jaxllm.cost.compile import compile_step  # noqa: E402
+from jaxllm.cost.traffic import expected_bytes  # noqa: E402
 from jaxllm.train import setup  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

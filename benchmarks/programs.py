@@ -25,8 +25,10 @@ from ml_collections import ConfigDict
 
 from jaxllm import analyze, metrics
 from jaxllm.backends import gpu_devices, start_backends
-from jaxllm.config import MESH_AXES, ConfigError, main_guard, parse_command_line
-from jaxllm.hardware import hardware_profile
+from jaxllm.cli import main_guard, parse_command_line
+from jaxllm.config import MESH_AXES, ConfigError
+from jaxllm.cost import report
+from jaxllm.cost.hardware import hardware_profile
 
 # --devices, --hardware and --device-memory are analyze's.
 _MESH = flags.DEFINE_multi_string('mesh', [], 'A mesh, e.g. data=8,fsdp=8 (axes not named: 1).')
@@ -77,7 +79,7 @@ def per_axis_text(r: dict) -> str:
     by_type[tuple(c['axes'])][c['dtype']] += c['bytes']
   parts = []
   for a in r['per_axis']:
-    types = ' + '.join(f'{analyze.size_text(b)} {t}' for t, b in
+    types = ' + '.join(f'{report.size_text(b)} {t}' for t, b in
                        sorted(by_type[tuple(a['axes'])].items(), key=lambda x: -x[1]))
     ratio = f' ({a["ratio"]:.2f}×)' if a['ratio'] else ''
     parts.append(f'{",".join(a["axes"])}: {types}{ratio}')
@@ -123,15 +125,15 @@ def main(argv: list[str]) -> None:
   for mesh in meshes:
     for split in _SPLITS.value:
       for compiler in _COMPILERS.value:
-        r = analyze.analyze(with_split(cfg, mesh, split), hardware, devices[compiler]())
+        r = report.analyze(with_split(cfg, mesh, split), hardware, devices[compiler]())
         mem, pr = r['memory'], r['prediction']
         name = ' × '.join(f'{a}={s}' for a, s in mesh.items() if s > 1) or 'one device'
         name += f', {SPLITS[split][0]}' if SPLITS[split][0] else ''
         print(f'| {name} | {compiler.upper()} | '
-              f'{analyze.size_text(mem["params"] + mem["optimizer"])} | '
-              f'{analyze.size_text(mem["temporaries"])} | {analyze.size_text(mem["peak"])} | '
+              f'{report.size_text(mem["params"] + mem["optimizer"])} | '
+              f'{report.size_text(mem["temporaries"])} | {report.size_text(mem["peak"])} | '
               f'{"yes" if r["fits"] else "no"} | {per_axis_text(r)} | {attention_text(r)} | '
-              f'{analyze.seconds_text(pr["step_s"])} | '
+              f'{report.seconds_text(pr["step_s"])} | '
               f'{pr["mfu"]:.1%} / {pr["mfu_causal"]:.1%} |', flush=True)
 
 

@@ -5,7 +5,7 @@ import time
 
 import jax
 
-from jaxllm.mesh import sharding_context
+from jaxllm.parallel.mesh import sharding_context
 
 
 def timed(step, state, batches, steps: int, warmup: int):
@@ -33,7 +33,7 @@ def time_steps(run, steps: int, warmup: int, first_batch=None):
   """
   first_batch = next(run.batches) if first_batch is None else first_batch
   start = time.perf_counter()
-  with sharding_context(run.mesh, run.cfg.sharding.rules):
+  with sharding_context(run.mesh, run.layout.rules):
     compiled = run.train_step.lower(run.state, first_batch).compile()
   compile_s = time.perf_counter() - start
   batches = itertools.chain([first_batch], run.batches)

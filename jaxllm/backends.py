@@ -2,7 +2,7 @@
 compiled for when none is present.
 
 XLA's GPU compiler ships in JAX's CUDA plugin and compiles for a GPU described by a target
-config (`jaxllm.hardware.Gpu`) on a machine that has no GPU at all ("deviceless"
+config (`jaxllm.cost.hardware.Gpu`) on a machine that has no GPU at all ("deviceless"
 compilation): what it makes is the program that GPU would run, with its fusions, its
 collectives as they move and its buffer assignment. `analyze` and `tune` read that program.
 """
@@ -18,7 +18,7 @@ import os
 from ml_collections import ConfigDict
 
 from jaxllm.config import ConfigError
-from jaxllm.hardware import Hardware
+from jaxllm.cost.hardware import Hardware
 
 CUDA_PLUGINS = ('jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
 GPU_COMPILE_INSTALL = ('pip install "jaxllm[gpu-compile]" (in a checkout: '

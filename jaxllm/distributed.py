@@ -23,7 +23,9 @@ import time
 import jax
 from ml_collections import ConfigDict
 
-from jaxllm.config import ConfigError, validate_distributed
+from jaxllm.config import ConfigError
+
+from jaxllm.validate import validate_distributed
 
 # Keys: _LIVE/<process>/beat, a counter that goes up while the process lives, and
 # _LIVE/<process>/done once it has finished cleanly; _FAILED/<process>, why it failed.

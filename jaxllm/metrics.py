@@ -11,15 +11,7 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 
 from jaxllm.config import ConfigError
-
-# Peak dense bf16 FLOP/s of one device, by a substring of `device.device_kind`.
-PEAK_FLOPS = {
-    'H100 PCIe': 756e12,
-    'H100': 989e12,
-    'H200': 989e12,
-    'A100': 312e12,
-    'B200': 2.25e15,
-}
+from jaxllm.cost.hardware import PEAK_FLOPS
 
 
 def param_counts(m: ConfigDict) -> dict[str, int]:
@@ -47,7 +39,7 @@ def flops_per_token(m: ConfigDict, seq_len: int) -> dict[str, float]:
 
 
 def peak_flops(device, override: float = 0.0) -> float | None:
-  """Peak FLOP/s of one device: the override if set, else the table; None if unknown (CPU)."""
+  """Peak FLOP/s of one device: the override if set, else `PEAK_FLOPS`; None if unknown (CPU)."""
   if override > 0:
     return override
   kind = getattr(device, 'device_kind', '')

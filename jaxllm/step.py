@@ -8,14 +8,16 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from jaxllm.mesh import (check_divisible, logical_spec, over_data, sharding_context, spec_axes,
-                         split_micro_batches)
 from jaxllm.model import Transformer, sequence_positions
 from jaxllm.optim import lr_schedule
-from jaxllm.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
+from jaxllm.parallel.mesh import (check_divisible, logical_spec, sharding_context,
+                                  split_micro_batches)
+from jaxllm.parallel.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
+from jaxllm.parallel.rules import mesh_axes
+from jaxllm.parallel.zero import optimizer_shardings, zero_specs
 
 
 class TrainState(NamedTuple):
@@ -50,9 +52,8 @@ def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, 
     abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed, pipeline))
     shardings = nnx.get_named_sharding(abstract, mesh)
   if zero:
-    shardings = shardings._replace(opt_state=jax.tree.map(
-        lambda a, s: NamedSharding(mesh, over_data(s.spec, a.shape, mesh.shape)),
-        abstract.opt_state, shardings.opt_state))
+    shardings = shardings._replace(opt_state=optimizer_shardings(
+        abstract.opt_state, shardings.opt_state, mesh))
   return graphdef, abstract, shardings
 
 
@@ -60,7 +61,7 @@ def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, ru
                pipeline: PipelineSpec | None = None, zero: int = 0):
   """Creates the train state already sharded (inside jit), never whole on one device.
 
-  Under a circular pipeline the blocks are stored stage-major (see `jaxllm.pipeline`).
+  Under a circular pipeline the blocks are stored stage-major (see `jaxllm.parallel.pipeline`).
   """
   graphdef, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed, pipeline, zero)
   with sharding_context(mesh, rules):
@@ -95,24 +96,20 @@ def replicated_batch_axes(params) -> tuple[str, ...]:
   """The mesh axes (of more than one device) that split the batch but no parameter: each
   device there computes a partial sum of the same, whole gradients."""
   param_axes = {a for spec in jax.tree.leaves(nnx.get_partition_spec(params))
-                for entry in spec for a in spec_axes(entry)}
+                for entry in spec for a in mesh_axes(entry)}
   mesh = jax.sharding.get_abstract_mesh()
-  return tuple(a for a in spec_axes(logical_spec('batch')[0])
+  return tuple(a for a in mesh_axes(logical_spec('batch')[0])
                if mesh.shape[a] > 1 and a not in param_axes)
 
 
-def zero_specs(params):
-  """The params' PartitionSpecs split over data as ZeRO splits the optimizer state."""
-  mesh_shape = jax.sharding.get_abstract_mesh().shape
-  return jax.tree.map(lambda spec, p: over_data(spec, p.shape, mesh_shape),
-                      nnx.get_partition_spec(params), params)
-
-
 def skip_if(skip, new, old):
-  """`old` where `skip`, else `new`; optax's step counts (`count` fields) always advance."""
-  is_count = lambda path: getattr(path[-1], 'name', None) == 'count'
-  return jax.tree_util.tree_map_with_path(
-      lambda path, n, o: n if is_count(path) else jnp.where(skip, o, n), new, old)
+  """`old` where `skip`, else `new`, but for the learning-rate schedule's step count
+  (`optax.ScaleByScheduleState`): it always advances, with `state.step`. Every other count
+  stays: Adam's (`ScaleByAdamState.count`) is the number of updates its bias correction
+  takes account of, and a skipped step is none."""
+  is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)
+  return jax.tree.map(lambda n, o: n if is_schedule(n) else jnp.where(skip, o, n), new, old,
+                      is_leaf=is_schedule)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
@@ -121,8 +118,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
   """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch.
 
   With `skip_nonfinite`, a step whose loss or gradients are not finite leaves params and
-  optimizer state as they were, but for its step counts: they advance with `state.step` (as
-  does the data), so the schedule's lr stays the one the log shows.
+  optimizer state as they were (Adam's count too), but for the schedule's step count: it
+  advances with `state.step` (as does the data), so the schedule's lr stays the one the log
+  shows (`skip_if`).
   `zero` (sharding.zero): 1 reduce-scatters the summed gradients over data once per step,
   updates each device's slice of the parameters with its slice of the moments and
   all-gathers the result; 2 also keeps the gradient sum split over data, each micro-batch's
@@ -191,15 +189,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     return accumulate(params, batch, micro_grads, zero_specs(params))
 
   def train_step(state: TrainState, batch):
-    # Pinned to the moments' layout, the all-reduce of the sums becomes a reduce-scatter,
-    # the update runs on each device's slice, and the new parameters are all-gathered.
-    to_split = (lambda tree: jax.lax.with_sharding_constraint(tree, zero_specs(state.params))
-                ) if zero else (lambda tree: tree)
+    # Under ZeRO the moments' layout (split over data: `state_shapes`) alone makes the
+    # all-reduce of the sums a reduce-scatter, the update run on each device's slice and the
+    # new parameters all-gathered: pinning grads and updates to it too compiles the same program.
     grads, loss_sum, tokens = gradients(state.params, batch)
     tokens = jnp.maximum(tokens, 1.0)
-    grads = to_split(jax.tree.map(lambda g: g / tokens, grads))
+    grads = jax.tree.map(lambda g: g / tokens, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, to_split(updates))
+    params = optax.apply_updates(state.params, updates)
     loss, grad_norm = loss_sum / tokens, optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:

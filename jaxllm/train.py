@@ -24,13 +24,15 @@ from ml_collections import ConfigDict
 from jaxllm import distributed, hf, metrics
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.backends import counting_cache_hits, start_backends, use_compilation_cache
-from jaxllm.config import (TrainingError, batch_shards, main_guard, parse_command_line,
-                           resolve_mesh, rule_axes, validate)
+from jaxllm.cli import main_guard, parse_command_line
+from jaxllm.config import TrainingError
+from jaxllm.validate import resolve_mesh, validate
 from jaxllm.data import Streams, make_batches, make_eval_batches
-from jaxllm.mesh import host_split, hosts, make_mesh, sharding_context
-from jaxllm.model import available_attention
+from jaxllm.parallel.mesh import host_split, hosts, make_mesh, sharding_context
+from jaxllm.parallel.rules import Layout, derive, mesh_axes
+from jaxllm.model import with_available_attention
 from jaxllm.optim import make_optimizer
-from jaxllm.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
+from jaxllm.parallel.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
 from jaxllm.step import TrainState, init_state, loss_terms, state_shapes, train_step_for
 
 
@@ -39,6 +41,7 @@ class Run:
   """Everything a training loop needs, built and checked from one config."""
   cfg: ConfigDict
   mesh: jax.sharding.Mesh
+  layout: Layout             # the rules the run shards by (`jaxllm.parallel.rules.derive`)
   graphdef: nnx.GraphDef
   state: TrainState
   origin: str                # where `state` came from, in words
@@ -59,18 +62,20 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   devices = jax.devices() if devices is None else devices
   mesh_shape = resolve_mesh(cfg.mesh, len(devices))
   validate(cfg, mesh_shape)
+  layout = derive(cfg.sharding.rules, mesh_shape, cfg.model, cfg.sharding.zero)
   platform = devices[0].platform
-  if available_attention(cfg.model, platform) != cfg.model.attention:
+  model_cfg = with_available_attention(cfg.model, platform)
+  if model_cfg.attention != cfg.model.attention:
     if metrics.is_logging_process():
       print(f"note: model.attention='cudnn' needs an NVIDIA GPU, but the devices are "
             f"{platform} devices; using 'xla' attention.")
-    cfg.model.attention = available_attention(cfg.model, platform)
+    cfg.model = model_cfg
   if metrics.is_logging_process():
     if cfg.sharding.zero and mesh_shape['data'] == 1:
       print(f'note: sharding.zero={cfg.sharding.zero} splits over the data axis, but '
             'mesh.data=1: nothing is split.')
     for name in ('seq', 'act_seq'):
-      axes = rule_axes(cfg.sharding.rules[name])
+      axes = mesh_axes(cfg.sharding.rules[name])
       if axes and all(mesh_shape[a] == 1 for a in axes):
         print(f'note: sharding.rules.{name}={axes} splits the sequence over axes of size 1: '
               'nothing is split.')
@@ -80,24 +85,24 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   tx = make_optimizer(cfg.optim, cfg.train.steps)
   pipeline = pipeline_spec(cfg, mesh_shape['pipe'])
   # Shapes first: they check the model against the mesh before anything touches the disk.
-  graphdef, abstract, shardings = state_shapes(cfg.model, tx, mesh, cfg.sharding.rules,
-                                               cfg.train.seed, pipeline, cfg.sharding.zero)
+  graphdef, abstract, shardings = state_shapes(cfg.model, tx, mesh, layout.rules,
+                                               cfg.train.seed, pipeline, layout.zero)
   ckpt_dir = cfg.checkpoint.dir or (workdir and os.path.join(workdir, 'checkpoints'))
   checkpoints = Checkpoints(ckpt_dir, cfg.checkpoint) if ckpt_dir else None
-  state, origin = _initial_state(cfg, mesh, tx, pipeline, abstract, shardings, checkpoints,
-                                 batches)
+  state, origin = _initial_state(cfg, mesh, layout, tx, pipeline, abstract, shardings,
+                                 checkpoints, batches)
   step = train_step_for(cfg, graphdef, tx, pipeline)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
-  return Run(cfg, mesh, graphdef, state, origin, train_step, batches, eval_batches, pipeline,
+  return Run(cfg, mesh, layout, graphdef, state, origin, train_step, batches, eval_batches, pipeline,
              checkpoints)
 
 
-def _initial_state(cfg: ConfigDict, mesh, tx, pipeline: PipelineSpec | None, abstract, shardings,
-                   checkpoints: Checkpoints | None, batches):
+def _initial_state(cfg: ConfigDict, mesh, layout: Layout, tx, pipeline: PipelineSpec | None,
+                   abstract, shardings, checkpoints: Checkpoints | None, batches):
   """The run's newest checkpoint if it has one, else `init_from`'s parameters with a fresh
   optimizer, else a fresh state. Checkpoints hold layer order; a circular pipeline's state
   is converted to stage order on the way in (and back on the way out, see `_layer_order`)."""
-  rules = cfg.sharding.rules
+  rules = layout.rules
   stages = (pipeline.stages, pipeline.repeats) if pipeline else (1, 1)
   with sharding_context(mesh, rules):
     if checkpoints:
@@ -121,8 +126,7 @@ def _initial_state(cfg: ConfigDict, mesh, tx, pipeline: PipelineSpec | None, abs
 
       state = jax.jit(fresh_optimizer, out_shardings=shardings)(params)
       return state, f'parameters from {cfg.init_from}, fresh optimizer state'
-  _, state, _ = init_state(cfg.model, tx, mesh, rules, cfg.train.seed, pipeline,
-                           cfg.sharding.zero)
+  _, state, _ = init_state(cfg.model, tx, mesh, rules, cfg.train.seed, pipeline, layout.zero)
   return state, f'initialised from train.seed={cfg.train.seed}'
 
 
@@ -135,11 +139,11 @@ def _layer_order(run: Run, state: TrainState) -> TrainState:
   return jax.jit(lambda s: from_stage_order(s, *stages), out_shardings=shardings)(state)
 
 
-def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | None,
-             batches=None) -> str:
+def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, layout: Layout,
+             pipeline: PipelineSpec | None, batches=None) -> str:
   """The derived numbers a user should see before the first step."""
   t, m = cfg.train, cfg.model
-  shards = batch_shards(cfg.sharding.rules, mesh.shape)
+  shards = layout.batch_shards
   params = metrics.param_counts(m)
   flops = metrics.flops_per_token(m, cfg.data.seq_len)
   micro = t.global_batch // t.micro_batches
@@ -161,8 +165,7 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, pipeline: PipelineSpec | 
       f'per data×fsdp shard ({shards} shards); {t.micro_batches} micro-batch(es) of {micro} '
       f'({micro // shards} per shard)',
       f'compute  {m.dtype} (params {m.param_dtype}, moments {cfg.optim.state_dtype}'
-      + (f' split over data, ZeRO-{cfg.sharding.zero}'
-         if cfg.sharding.zero and mesh.shape['data'] > 1 else '')
+      + (f' split over data, ZeRO-{layout.zero}' if layout.zero else '')
       + f'), attention {m.attention}, remat {m.remat}']
   if isinstance(batches, Streams):
     lines.append(f'data     read as {batches.streams} stream(s) of '
@@ -274,7 +277,7 @@ class StepTrace:
 
 def evaluate(run: Run, eval_step, state: TrainState) -> dict[str, float]:
   """Token-mean loss and perplexity over the eval split's batches."""
-  with sharding_context(run.mesh, run.cfg.sharding.rules):
+  with sharding_context(run.mesh, run.layout.rules):
     sums = [eval_step(state.params, batch) for batch in run.eval_batches()]
   loss_sum, tokens = np.sum(jax.device_get(sums), axis=0)
   loss = float(loss_sum / max(tokens, 1.0))
@@ -287,7 +290,7 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
   run = setup(cfg, devices, workdir)
   cfg, state = run.cfg, run.state
   log = metrics.MetricsLog(workdir, cfg, enabled=metrics.is_logging_process())
-  log.info(describe(cfg, run.mesh, run.pipeline, run.batches))
+  log.info(describe(cfg, run.mesh, run.layout, run.pipeline, run.batches))
   log.info(f'state    {run.origin}')
   if workdir and metrics.is_logging_process():
     os.makedirs(workdir, exist_ok=True)
@@ -348,7 +351,7 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
 
   batch = next(run.batches)
   start = time.perf_counter()
-  with sharding_context(run.mesh, cfg.sharding.rules), counting_cache_hits() as hits:
+  with sharding_context(run.mesh, run.layout.rules), counting_cache_hits() as hits:
     step_fn = run.train_step.lower(state, batch).compile()
   log.info(f'compiled the train step in {time.perf_counter() - start:.1f}s' +
            (' (cache hit)' if hits else ''))

@@ -23,8 +23,8 @@ start_backends(_BACKENDS)  # as every command starts them
 os.environ['XDG_CACHE_HOME'] = tempfile.mkdtemp(prefix='jaxllm-test-cache-')
 atexit.register(shutil.rmtree, os.environ['XDG_CACHE_HOME'], ignore_errors=True)
 
-from jaxllm import hlo  # noqa: E402
-from jaxllm.mesh import make_mesh, sharding_context  # noqa: E402
+from jaxllm.cost import hlo  # noqa: E402
+from jaxllm.parallel.mesh import make_mesh, sharding_context  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,7 +97,7 @@ def assert_params_close(got_tree, want_tree):
 
 
 def data_reductions(compiled) -> list[hlo.Collective]:
-  """The reductions of a compiled step (`jaxllm.analyze.Compiled`) whose device groups span
+  """The reductions of a compiled step (`jaxllm.cost.compile.Compiled`) whose device groups span
   the data axis."""
   return [c for c in hlo.collectives(compiled.text, compiled.mesh_shape, cpu=compiled.cpu)
           if 'data' in c.axes and c.kind in ('all-reduce', 'reduce-scatter')]
@@ -123,7 +123,7 @@ def step_gradients(cfg, devices=None):
   mesh: `jaxllm.step.make_train_step` with an "optimizer" that stores the gradients it is
   given as its state. Blocks in layer order, on the host."""
   import optax
-  from jaxllm.pipeline import from_stage_order
+  from jaxllm.parallel.pipeline import from_stage_order
   from jaxllm.step import TrainState, make_train_step
   from jaxllm.train import setup
 
@@ -133,7 +133,7 @@ def step_gradients(cfg, devices=None):
   run = setup(cfg, devices)
   step = make_train_step(run.graphdef, keep, lambda _: 0.0, cfg.train.micro_batches,
                          run.pipeline)
-  with sharding_context(run.mesh, cfg.sharding.rules):
+  with sharding_context(run.mesh, run.layout.rules):
     state = TrainState(run.state.step, run.state.params, keep.init(run.state.params))
     new_state, metrics = jax.jit(step)(state, next(run.batches))
   grads = jax.device_get(new_state.opt_state)
@@ -180,6 +180,6 @@ def run_cli(*args, module='jaxllm.train', timeout=300):
 
 @pytest.fixture
 def tiny_config():
-  from jaxllm.config import load_config
+  from jaxllm.cli import load_config
   return load_config(os.path.join(REPO, 'configs', 'tiny.py'))
 

@@ -11,11 +11,14 @@ from absl import flags
 
 from conftest import data_reductions, run_cli, small_config
 from jaxllm import analyze as analyze_cli
-from jaxllm import backends, hlo, tune
-from jaxllm.analyze import analyze, collective_table, compile_step, expected_bytes, memory
+from jaxllm import backends, tune
 from jaxllm.config import ConfigError
-from jaxllm.hardware import PROFILES, axes_across_nodes
-from jaxllm.tune import factorisations, measure, rank
+from jaxllm.cost import hlo
+from jaxllm.cost.compile import compile_step
+from jaxllm.cost.hardware import PROFILES, axes_across_nodes
+from jaxllm.cost.report import analyze, collective_table, memory
+from jaxllm.cost.traffic import expected_bytes
+from jaxllm.cost.tune import factorisations, measure, rank
 
 H100 = PROFILES['h100-nvlink']
 
@@ -240,7 +243,7 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
   steps = [r['step_s'] for r in rows]
   assert steps == sorted(steps)
   assert sorted(tuple(r['mesh'][a] for a in ('data', 'fsdp', 'pipe', 'tensor')) for r in rows) == (
-      sorted(tune.factorisations(4, 4)))
+      sorted(factorisations(4, 4)))
   assert {r['micro_batches'] for r in rows} == {1} and skipped['invalid'] == 10
   # tensor=4 is among them: tiny's 2 kv heads are replicated over the pairs that share them
   assert {r['mesh']['tensor'] for r in rows} == {1, 2, 4}

@@ -1,6 +1,6 @@
 """Chat data: conversations rendered with the tokenizer's chat template, packed, with the loss
 on the assistant's turns only. The reference is Hugging Face transformers' own rendering and
-assistant mask (from the template's `{% generation %}` blocks, which jaxllm does not use)."""
+assistant mask (from the template's `{% generation %}` blocks)."""
 
 import json
 
@@ -12,7 +12,7 @@ from conftest import small_config
 from jaxllm.config import ConfigError
 from jaxllm.data import load_tokenizer, make_batches, make_eval_batches
 from jaxllm.data.chat import ChatEncoder
-from jaxllm.mesh import make_mesh
+from jaxllm.parallel.mesh import make_mesh
 
 # ChatML, with Hugging Face's marking of the assistant's text.
 TEMPLATE = (
@@ -21,6 +21,16 @@ TEMPLATE = (
     "{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}"
     "{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML whose generation blocks end at <|im_end|>: the newline after it is the template's,
+# outside the block, so it is not trained.
+TEMPLATE_ENDS_AT_IM_END = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ChatML that marks nothing: the turn is what rendering it adds after its prompt.
+TEMPLATE_UNMARKED = TEMPLATE.replace('{% generation %}', '').replace('{% endgeneration %}', '')
 SPECIALS = ['<s>', '</s>', '<|im_start|>', '<|im_end|>']
 SENTENCES = ['how do I split a model', 'over the tensor axis', 'the mesh has four axes',
              'pack the rows tightly', 'größer als gedacht', 'naïve café déjà vu', 'yes',
@@ -68,14 +78,19 @@ def chats(tmp_path_factory):
   return str(path), chats
 
 
-@pytest.fixture(scope='module')
-def reference(tokenizer_dir, chats):
-  """transformers' ids and assistant mask of each conversation."""
+def transformers_reference(tokenizer_dir, chats, template=None):
+  """transformers' ids and assistant mask of each conversation (with the tokenizer's own
+  template, or `template`)."""
   from transformers import AutoTokenizer
   hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-  out = [hf.apply_chat_template(m, tokenize=True, return_dict=True,
+  out = [hf.apply_chat_template(m, chat_template=template, tokenize=True, return_dict=True,
                                 return_assistant_tokens_mask=True) for m in chats[1]]
   return [(np.asarray(o['input_ids']), np.asarray(o['assistant_masks'])) for o in out]
+
+
+@pytest.fixture(scope='module')
+def reference(tokenizer_dir, chats):
+  return transformers_reference(tokenizer_dir, chats)
 
 
 def chat_config(path, tokenizer, **data):
@@ -90,9 +105,17 @@ def one_device():
   return make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), jax.devices()[:1])
 
 
-def test_each_token_is_flagged_as_transformers_marks_the_assistants(tokenizer_dir, chats,
-                                                                   reference):
-  cfg = chat_config(chats[0], str(tokenizer_dir))
+@pytest.mark.parametrize('template', [None, TEMPLATE_ENDS_AT_IM_END],
+                         ids=['block_ends_after_newline', 'block_ends_at_im_end'])
+def test_each_token_is_flagged_as_transformers_marks_the_assistants(template, tokenizer_dir,
+                                                                   chats, tmp_path):
+  """Exactly the tokens of the template's generation blocks, whatever follows them."""
+  data = {}
+  if template:
+    (tmp_path / 'chat.jinja').write_text(template)
+    data['chat_template'] = str(tmp_path / 'chat.jinja')
+  reference = transformers_reference(tokenizer_dir, chats, template)
+  cfg = chat_config(chats[0], str(tokenizer_dir), **data)
   encode = ChatEncoder(cfg.data, load_tokenizer(cfg.data))
   for messages, (want_ids, want_mask) in zip(chats[1], reference):
     got = encode(messages)
@@ -143,10 +166,14 @@ def test_batches_take_the_loss_on_assistant_tokens_only(packing, tokenizer_dir, 
   assert 0 < np.mean(rows[2]) < 1
 
 
-def test_the_byte_tokenizer_takes_a_template_file(tmp_path, chats):
+@pytest.mark.parametrize('template,turn_end', [
+    (TEMPLATE, '<|im_end|>\n'), (TEMPLATE_ENDS_AT_IM_END, '<|im_end|>'),
+    (TEMPLATE_UNMARKED, '<|im_end|>\n')], ids=['marked', 'marked_to_im_end', 'unmarked'])
+def test_the_byte_tokenizer_takes_a_template_file(template, turn_end, tmp_path, chats):
   """Without transformers: decoding the flagged tokens of each conversation gives the
-  assistant's replies with their end-of-turn markers, non-ASCII text included."""
-  (tmp_path / 'chatml.jinja').write_text(TEMPLATE)
+  assistant's replies with what the generation blocks mark after them, or without blocks what
+  rendering the turn adds after its prompt (the end-of-turn marker), non-ASCII text included."""
+  (tmp_path / 'chatml.jinja').write_text(template)
   cfg = chat_config(chats[0], 'byte', chat_template=str(tmp_path / 'chatml.jinja'))
   tokenizer = load_tokenizer(cfg.data)
   encode = ChatEncoder(cfg.data, tokenizer)
@@ -154,7 +181,7 @@ def test_the_byte_tokenizer_takes_a_template_file(tmp_path, chats):
     got = encode(messages)
     text = tokenizer.decode(got['tokens'])
     assert text == chatml(messages)
-    replies = ''.join(m['content'] + '<|im_end|>\n' for m in messages if m['role'] == 'assistant')
+    replies = ''.join(m['content'] + turn_end for m in messages if m['role'] == 'assistant')
     assert tokenizer.decode(got['tokens'][got['loss_mask'] > 0]) == replies
 
 

@@ -17,7 +17,9 @@ import pytest
 
 from conftest import REPO, run_cli, small_config
 from jaxllm import train
-from jaxllm.config import ConfigError, load_config, parse_command_line, validate
+from jaxllm.cli import load_config, parse_command_line
+from jaxllm.config import ConfigError
+from jaxllm.validate import validate
 from jaxllm.metrics import MetricsLog
 
 
@@ -75,9 +77,12 @@ def test_every_command_is_installed_as_its_modules_entry_point():
              if e.name.startswith('jaxllm-')}
   assert sorted(scripts) == sorted(f'jaxllm-{name}' for name in commands)
   for name in commands:
-    assert scripts[f'jaxllm-{name}'].load() is importlib.import_module(f'jaxllm.{name}').cli
+    # A command that is a package (hf) runs its __main__.
+    package = os.path.isdir(os.path.join(REPO, 'jaxllm', name))
+    module = f'jaxllm.{name}.__main__' if package else f'jaxllm.{name}'
+    assert scripts[f'jaxllm-{name}'].load() is importlib.import_module(module).cli
     assert os.path.isfile(os.path.join(sysconfig.get_path('scripts'), f'jaxllm-{name}'))
-    source = open(os.path.join(REPO, 'jaxllm', f'{name}.py')).read()
+    source = open(os.path.join(REPO, *module.split('.')) + '.py').read()
     assert source.endswith("if __name__ == '__main__':\n  cli()\n"), name
 
 
@@ -323,6 +328,14 @@ BAD_NUMBERS = [
     ({'optim.weight_decay': math.nan}, 'optim.weight_decay=nan must be >= 0'),
     ({'optim.clip_norm': -1.0}, 'optim.clip_norm=-1.0 must be >= 0'),
     ({'optim.z_loss': -1e-4}, 'optim.z_loss=-0.0001 must be >= 0'),
+    # wsd's decay is the run's last updates: warmup must be over before it (the first ended at
+    # 0.55·lr, not lr·min_lr_ratio)
+    ({'train.steps': 10, 'optim.schedule': 'wsd', 'optim.warmup_steps': 9},
+     'optim.warmup_steps=9 + optim.decay_steps=0 (a fifth of train.steps: 2) > train.steps=10'),
+    ({'train.steps': 10, 'optim.schedule': 'wsd', 'optim.warmup_steps': 6,
+      'optim.decay_steps': 5}, 'optim.warmup_steps=6 + optim.decay_steps=5 > train.steps=10'),
+    ({'train.steps': 10, 'optim.schedule': 'wsd', 'optim.decay_steps': 11},
+     'optim.warmup_steps=0 + optim.decay_steps=11 > train.steps=10'),
 ]
 ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)
 
@@ -358,6 +371,9 @@ def test_numbers_at_the_edge_of_their_range_are_valid():
            ONE_DEVICE)
   validate(with_fields({'optim.min_lr_ratio': 1.0, 'optim.schedule': 'wsd'}),
            ONE_DEVICE)
+  for warmup, decay in ((8, 0), (5, 5), (0, 10)):  # wsd's warmup ends where its decay begins
+    validate(with_fields({'train.steps': 10, 'optim.schedule': 'wsd',
+                          'optim.warmup_steps': warmup, 'optim.decay_steps': decay}), ONE_DEVICE)
 
 
 def test_a_second_command_line_in_one_process_starts_from_the_config(monkeypatch):

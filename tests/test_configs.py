@@ -1,17 +1,23 @@
 """The published model shapes: their parameter counts, and a train step that compiles for
 8 H100s (for the CPU where JAX's CUDA plugin is missing)."""
 
+import glob
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
 from conftest import REPO
-from jaxllm import backends, hlo
-from jaxllm.analyze import compile_step
-from jaxllm.hardware import PROFILES
-from jaxllm.config import load_config, resolve_mesh
-from jaxllm.mesh import make_mesh
+from jaxllm import backends
+from jaxllm.cli import load_config
+from jaxllm.validate import resolve_mesh
+from jaxllm.cost import hlo
+from jaxllm.cost.compile import compile_step
+from jaxllm.cost.hardware import PROFILES
+from jaxllm.parallel.mesh import make_mesh
 from jaxllm.metrics import param_counts
 from jaxllm.optim import make_optimizer
 from jaxllm.step import state_shapes
@@ -41,3 +47,39 @@ def test_published_shape_compiles_from_shapes_alone(name):
   # cuDNN flash attention on the GPU; XLA's stands in for it on the CPU.
   flash = [k.flash for k in hlo.fused_attention(compiled.text)]
   assert (flash and all(flash)) if gpu and cfg.model.attention == 'cudnn' else not flash
+
+
+HF_RECIPE = '''
+from jaxllm import hf
+from jaxllm.config import default_config
+
+def get_config():
+  c = default_config()
+  c.model = hf.model_config({path!r})
+  c.init_from = 'hf:' + {path!r}
+  return c
+'''
+
+
+def test_loading_a_config_starts_no_backend(tmp_path):
+  """Every config in configs/, and one that reads a Hugging Face config.json (bfloat16, so
+  cuDNN attention), load without starting JAX's backends: `train` sets them up afterwards
+  (simulated CPU devices, jax.distributed), which a started backend would refuse."""
+  hf_dir = tmp_path / 'hf'
+  hf_dir.mkdir()
+  (hf_dir / 'config.json').write_text(json.dumps(dict(
+      model_type='llama', vocab_size=300, hidden_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+      torch_dtype='bfloat16')))
+  recipe = tmp_path / 'hf_recipe.py'
+  recipe.write_text(HF_RECIPE.format(path=str(hf_dir)))
+  paths = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))) + [str(recipe)]
+  script = ('import sys\nfrom jax._src import xla_bridge\nfrom jaxllm.config import load_config\n'
+            'for path in sys.argv[1:]:\n  cfg = load_config(path)\n'
+            '  print(path, cfg.model.attention, xla_bridge.backends_are_initialized())\n')
+  out = subprocess.run([sys.executable, '-c', script, *paths], capture_output=True, text=True,
+                       check=True).stdout.splitlines()
+  assert len(out) == len(paths)
+  assert all(line.endswith(' False') for line in out), out
+  # The attention path is left for start-up to choose on the run's devices.
+  assert out[-1] == f'{recipe} cudnn False'

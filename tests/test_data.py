@@ -16,7 +16,7 @@ from jaxllm.data import pretokenize as pretokenize_cli
 from jaxllm.data.pretokenize import pretokenize
 from jaxllm.data.sources import split, stream_share
 from jaxllm.data.tokenizer import ByteTokenizer
-from jaxllm.mesh import make_mesh
+from jaxllm.parallel.mesh import make_mesh
 
 DOCS = ['the mesh splits every layer', 'across devices while', 'the compiler inserts collectives',
         'so that each shard', 'computes its part', 'of the batch', 'ünïcode too', 'and the end']

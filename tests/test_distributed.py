@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO
 from jaxllm.config import ConfigError
-from jaxllm.mesh import host_split, hosts
+from jaxllm.parallel.mesh import host_split, hosts
 
 # tiny's mesh data=2 × fsdp=2 × tensor=2; data is what spans the two processes.
 TINY = ['--config', 'configs/tiny.py', '--config.train.log_every=1', '--config.eval.every=0',

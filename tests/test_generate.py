@@ -12,8 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import run_cli, small_config
 from jaxllm.config import ConfigError, default_config
-from jaxllm.generate import Sampling, generate, main, sample_next
-from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.decode import Sampling, generate, sample_next
+from jaxllm.generate import main
+from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.model import KVCache, Transformer, sequence_positions
 
 RULES = default_config().sharding.rules
@@ -259,6 +260,13 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
   assert batch_ids[0] == lines[-1]
   assert batch_ids == [','.join(map(str, ids)) for ids in alone_on_one_device(
       tiny_checkpoints, lines_of_file, 8)]
+  # tiny has 2 K/V heads: over tensor=4 each is kept whole on the pair of devices that share
+  # it, as training does, and the tokens are one device's.
+  by_four = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt_file',
+                    str(tmp_path / 'prompts.txt'), '--mesh=tensor=4', *args,
+                    module='jaxllm.generate')
+  assert by_four.returncode == 0, by_four.stderr[-2000:]
+  assert [s.strip().split('\n')[-1] for s in by_four.stdout.split('--- prompt ')[1:]] == batch_ids
   # Exported as a Hugging Face Llama it generates the same, printing ids only (there is no
   # tokenizer.json): its config.json carries the context (data.seq_len) and the byte
   # tokenizer's special ids, so neither --context nor an EOS needs giving.
@@ -267,7 +275,8 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
   config = json.loads((tmp_path / 'hf' / 'config.json').read_text())
   assert (config['max_position_embeddings'], config['bos_token_id'], config['eos_token_id'],
           config['torch_dtype']) == (128, 256, 257, 'float32')
-  by_hf = run_cli('--hf', str(tmp_path / 'hf'), *same, module='jaxllm.generate')
+  by_hf = run_cli('--hf', str(tmp_path / 'hf'), *same, '--mesh=tensor=4',
+                  module='jaxllm.generate')
   hf_lines = by_hf.stdout.strip().splitlines()
   assert len(hf_lines) == 1, by_hf.stderr[-2000:]
   assert hf_lines[0] == lines[-1]

@@ -39,9 +39,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO, assert_params_close, small_config
-from jaxllm.config import load_config
-from jaxllm.mesh import sharding_context
-from jaxllm.model import REMAT, rope_frequencies
+from jaxllm.cli import load_config
+from jaxllm.parallel.mesh import sharding_context
+from jaxllm.model.layers import rope_frequencies
+from jaxllm.model.remat import REMAT
 from jaxllm.optim import make_optimizer
 from jaxllm.train import setup
 
@@ -86,7 +87,7 @@ def test_plain_step_equals_jaxllm_step(tied):
   run = setup(cfg, devices=jax.devices()[:1])
   params = plain_llama.params_from_jaxllm(run.state.params)  # before the step donates them
   batch = next(run.batches)
-  with sharding_context(run.mesh, run.cfg.sharding.rules):
+  with sharding_context(run.mesh, run.layout.rules):
     state, want = run.train_step(run.state, batch)
 
   tx = make_optimizer(cfg.optim, cfg.train.steps)

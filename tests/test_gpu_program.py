@@ -11,11 +11,14 @@ import re
 import pytest
 
 from conftest import REPO, data_reductions, run_cli, small_config
-from jaxllm import analyze, backends, hlo
-from jaxllm.analyze import compile_step, format_report, report
-from jaxllm.config import ConfigError, load_config
-from jaxllm.hardware import PROFILES, usable_memory
-from jaxllm.model import available_attention
+from jaxllm import backends
+from jaxllm.cli import load_config
+from jaxllm.config import ConfigError
+from jaxllm.cost import hlo
+from jaxllm.cost.compile import compile_step
+from jaxllm.cost.hardware import PROFILES, usable_memory
+from jaxllm.cost.report import attention, format_report, memory, report
+from jaxllm.model import with_available_attention
 
 pytestmark = pytest.mark.skipif(not backends.cuda_plugin_installed(),
                                 reason='needs JAX\'s CUDA plugin: pip install -e ".[dev]"')
@@ -218,8 +221,10 @@ def test_the_pipeline_recomputes_what_model_remat_says(remat, schedule, forwards
 
 
 def test_cudnn_falls_back_to_xla_attention_off_a_gpu():
-  assert available_attention(tiny().model, 'cpu') == 'xla'
-  assert available_attention(tiny().model, 'gpu') == 'cudnn'
+  model_cfg = tiny().model
+  assert with_available_attention(model_cfg, 'cpu').attention == 'xla'
+  assert model_cfg.attention == 'cudnn'  # a copy changed, not the config
+  assert with_available_attention(model_cfg, 'gpu').attention == 'cudnn'
 
 
 def tensor_all_reduces(compiled) -> dict[str, float]:
@@ -503,7 +508,7 @@ def test_sequence_parallelism_splits_the_tensor_all_reduces(tiny_program, tiny_s
   assert over_tensor(tiny_program, 'reduce-scatter', bsh / 2) == 0
   assert over_tensor(sp, 'reduce-scatter', bsh / 2) >= 4 * layers
   assert over_tensor(sp, 'all-reduce', bsh) <= 1
-  assert analyze.memory(sp)['temporaries'] < analyze.memory(tiny_program)['temporaries']
+  assert memory(sp)['temporaries'] < memory(tiny_program)['temporaries']
 
 
 def test_context_parallelism_gathers_keys_and_values_over_fsdp(tiny_split):
@@ -518,7 +523,7 @@ def test_context_parallelism_gathers_keys_and_values_over_fsdp(tiny_split):
   scatters = [x for x in hlo.collectives(cp.text, cp.mesh_shape, cpu=False)
               if x.axes == ('fsdp',) and x.kind == 'reduce-scatter' and x.dtype == 'bf16']
   assert sum(x.count for x in scatters if x.bytes_per_call == kv_bytes) == m.num_layers
-  kernels = analyze.attention(cp)['kernels']
+  kernels = attention(cp)['kernels']
   assert {k['target'] for k in kernels} == {'__cudnn$fmhaScaleBiasSoftmax',
                                            '__cudnn$fmhaScaleBiasSoftmaxBackward'}
   assert {k['bias'] for k in kernels} == {f'bf16[{rows},1,{T // 2},{T}]'}

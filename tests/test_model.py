@@ -9,12 +9,15 @@ import pytest
 from flax import nnx
 
 from conftest import assert_params_close, paired_leaves, small_config
-from jaxllm.config import resolve_mesh
-from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.validate import resolve_mesh
+from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.metrics import param_counts
 from jaxllm.config import default_config
-from jaxllm.model import (Attention, Transformer, chunked_loss_sum, document_spans, project,
-                          rope_frequencies, sharded_attention, sharded_lookup)
+from jaxllm.model import Transformer
+from jaxllm.model.attention import Attention, document_spans, sharded_attention
+from jaxllm.model.embedding import sharded_lookup
+from jaxllm.model.layers import project, rope_frequencies
+from jaxllm.model.loss import chunked_loss_sum
 from jaxllm.step import loss_terms
 
 
@@ -336,8 +339,7 @@ def test_packed_cudnn_attention_matches_the_segment_mask(max_documents):
   @functools.partial(jax.jit, static_argnums=(0, 1))
   def outputs_and_gradients(implementation, dtype, q, k, v, ct, segment_ids):
     def attend(q, k, v):
-      return sharded_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype),
-                               jnp.broadcast_to(jnp.arange(T), segment_ids.shape), segment_ids,
+      return sharded_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), segment_ids,
                                implementation, max_documents)
     out, vjp = jax.vjp(attend, q, k, v)
     return out, vjp(ct.astype(out.dtype))

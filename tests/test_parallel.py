@@ -9,11 +9,12 @@ import pytest
 
 from conftest import (assert_params_close, leaf_paths, paired_leaves, small_config,
                       step_gradients, text_config)
-from jaxllm import hlo
-from jaxllm.config import ConfigError, resolve_mesh
+from jaxllm.cost import hlo
+from jaxllm.config import ConfigError
+from jaxllm.validate import resolve_mesh
 from jaxllm.data import make_batches
 from jaxllm.data.sources import resolve_files
-from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.train import setup, train
 
 SEQUENCE_PARALLEL = dict(act_seq=('tensor',))
@@ -115,6 +116,28 @@ def test_split_gradients_match_one_device(mesh, micro_batches, rules, model, sho
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=path)
 
 
+
+def test_context_parallel_on_padded_unpacked_rows_matches_one_device(short_documents):
+  """data.packing=False on documents shorter than a row: one document per row, then padding
+  (position 0, no segment ids). Split over fsdp=4 × tensor=2 with the sequence on fsdp, the
+  first step's loss and every gradient tensor are one device's (fp32, within 1e-5 of the
+  tensor's largest element): no real token attends to the padding after its document."""
+  def unpacked(**mesh):
+    cfg = text_config(short_documents, **mesh)
+    cfg.data.packing = False
+    return cfg
+  first = next(iter(setup(unpacked(), jax.devices()[:1]).batches))
+  assert 'segment_ids' not in first
+  positions = np.asarray(first['positions'])
+  assert ((positions[:, 1:] == 0) & (positions[:, :-1] > 0)).any(axis=1).all()  # padded rows
+  ref_loss, ref_grads = step_gradients(unpacked(), jax.devices()[:1])
+  cfg = unpacked(fsdp=4, tensor=2)
+  cfg.sharding.rules.update(CONTEXT_PARALLEL)
+  loss, grads = step_gradients(cfg)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for path, (got, want) in zip(leaf_paths(ref_grads), paired_leaves(grads, ref_grads)):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=path)
+
 def test_micro_batches_equal_one_large_batch(corpus):
   """k micro-batches of b sequences give the update of one batch of k·b."""
   results = []
@@ -148,7 +171,7 @@ def test_gradients_accumulate_in_fp32_under_bf16_parameters():
   cfg.model.update(dtype='bfloat16', param_dtype='bfloat16', num_layers=2)
   cfg.train.update(micro_batches=4, global_batch=16)
   run = setup(cfg, jax.devices()[:4])
-  with sharding_context(run.mesh, cfg.sharding.rules):
+  with sharding_context(run.mesh, run.layout.rules):
     program = jax.make_jaxpr(run.train_step)(run.state, next(run.batches))
   num_params = len(jax.tree.leaves(run.state.params))
   accumulation = [e for e in _scans(program.jaxpr)
@@ -188,7 +211,7 @@ def test_fsdp_splits_params_and_moments_eight_ways():
     w_gate = tree['blocks']['mlp']['w_gate_DF'][...]    # [L, D, F]
     assert _shard_shapes(w_gate) == {(4, 64 // 8, 128)}
     assert _shard_shapes(tree['embed_VD'][...]) == {(264, 64 // 8)}
-  with sharding_context(run.mesh, cfg.sharding.rules):
+  with sharding_context(run.mesh, run.layout.rules):
     text = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
   # Inside the backward's layer loop (once per layer), each layer's gradients are summed over
   # fsdp and each device keeps its eighth: the CPU compiler emits that as an all-reduce whose
@@ -287,7 +310,8 @@ def test_fewer_kv_heads_than_tensor_are_replicated_over_it():
   as before), the query heads split; 3 K/V heads over tensor=2 can be neither and are an error."""
   cfg = small_config(fsdp=1, tensor=8)
   run = setup(cfg, jax.devices())
-  assert cfg.sharding.rules.kv_heads == ('tensor',)  # the run's copy changed, not the caller's
+  assert cfg.sharding.rules.kv_heads == run.cfg.sharding.rules.kv_heads == ('tensor',)
+  assert run.layout.rules['kv_heads'] == ()  # the rules the run applies
   attn = run.state.params['blocks']['attn']
   assert attn['wq_DNH'][...].sharding.spec == jax.P('pipe', 'fsdp', 'tensor', None)
   assert attn['wk_DKH'][...].sharding.spec == jax.P('pipe', 'fsdp', None, None)

@@ -10,10 +10,10 @@ from flax import nnx
 
 from conftest import (assert_params_close, paired_leaves, small_config, step_gradients,
                       text_config)
-from jaxllm.config import resolve_mesh
-from jaxllm.mesh import make_mesh, sharding_context
+from jaxllm.validate import resolve_mesh
+from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.model import Transformer
-from jaxllm.pipeline import PipelineSpec, pipeline_layers, to_stage_order
+from jaxllm.parallel.pipeline import PipelineSpec, pipeline_layers, to_stage_order
 from jaxllm.train import setup, train
 
 LAYERS = 8
@@ -83,7 +83,7 @@ def test_pipeline_equals_plain_stack(stages, repeats, microbatches, remat, plain
 
 
 def test_stage_order_round_trips_and_interleaves():
-  from jaxllm.pipeline import from_stage_order
+  from jaxllm.parallel.pipeline import from_stage_order
   tree = {'blocks': {'w': jnp.arange(8)}, 'embed': jnp.arange(3)}
   staged = to_stage_order(tree, stages=2, repeats=2)
   # Stage 0 holds blocks 0 and 2 (layers 0,1 and 4,5); stage 1 holds blocks 1 and 3.
@@ -107,7 +107,7 @@ PIPE_MESHES = {  # mesh, pipeline settings, train.micro_batches
                          ids=PIPE_MESHES.keys())
 def test_pipelined_training_matches_one_device(mesh, pipeline, micro_batches, corpus,
                                                one_device_run):
-  from jaxllm.pipeline import from_stage_order
+  from jaxllm.parallel.pipeline import from_stage_order
   ref_params, ref_losses, ref_norms = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.pipeline.update(microbatches=mesh['pipe'], **pipeline)
@@ -154,7 +154,7 @@ def test_each_device_holds_only_its_stage():
                    for x in jax.tree.leaves(run.state.params['blocks']))
   # Matrices split 8 ways; the norm scales only 2 ways (pipe), so allow a little more.
   assert stack_bytes / 8 <= per_device <= stack_bytes / 8 * 1.05
-  with sharding_context(run.mesh, cfg.sharding.rules):
+  with sharding_context(run.mesh, run.layout.rules):
     hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
   assert 'collective-permute' in hlo
   gathered = re.findall(r'= f32\[(\d+),[\d,]*\][^\n]*? all-gather', hlo)
@@ -187,6 +187,6 @@ def test_batch_axis_traffic_is_once_per_step(gather, in_loops):
   cfg.train.global_batch = 16
   cfg.pipeline.gather_weights = gather
   run = setup(cfg)
-  with sharding_context(run.mesh, cfg.sharding.rules):
+  with sharding_context(run.mesh, run.layout.rules):
     hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
   assert loop_collectives(hlo) == in_loops

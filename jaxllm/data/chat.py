@@ -4,13 +4,17 @@ loss on what the assistant says.
 A conversation is a list of messages {'role', 'content'}. It is rendered with the Jinja chat
 template a Hugging Face tokenizer ships (`chat_template.jinja`, or `chat_template` in
 `tokenizer_config.json`) or `data.chat_template`, tokenized once as a whole, and each token
-is flagged 1 when it belongs to an assistant turn: the text that rendering the turn adds after
-the prompt for it (`add_generation_prompt`), i.e. the reply and the template's end-of-turn
-marker. The loader turns the flags into the batch's `mask`.
+is flagged 1 when it belongs to what the assistant says. Where the template marks that with
+`{% generation %}…{% endgeneration %}` blocks, it is exactly what the blocks render (the
+character spans transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)`
+uses); otherwise each assistant turn is the text that rendering it adds after the prompt for
+it (`add_generation_prompt`), i.e. the reply and the template's end-of-turn marker. The loader
+turns the flags into the batch's `mask`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 
@@ -25,16 +29,34 @@ from jaxllm.data.tokenizer import Tokenizer
 
 ROLES = ('system', 'user', 'assistant', 'tool')
 
+# While a render records its generation blocks: (the chunks output so far, their spans).
+_RECORDING = contextvars.ContextVar('generation_blocks', default=None)
+
 
 class _GenerationBlocks(jinja2.ext.Extension):
   """`{% generation %}…{% endgeneration %}` (Hugging Face's marking of assistant text) renders
-  its body as it is: the spans come from rendering turn by turn, so any template works."""
+  its body as it is and, while a render records (`_RECORDING`), the character span it fills:
+  its start is the length of the output so far, as transformers' AssistantTracker counts it.
+  `environment.marks_generation` says whether the template has such a block."""
   tags = {'generation'}
+
+  def __init__(self, environment):
+    super().__init__(environment)
+    environment.extend(marks_generation=False)
 
   def parse(self, parser):
     lineno = next(parser.stream).lineno
+    self.environment.marks_generation = True
     body = parser.parse_statements(('name:endgeneration',), drop_needle=True)
-    return jinja2.nodes.Scope(body, lineno=lineno)
+    return jinja2.nodes.CallBlock(self.call_method('_record'), [], [], body).set_lineno(lineno)
+
+  def _record(self, caller) -> str:
+    text = caller()
+    if (recording := _RECORDING.get()) is not None:
+      chunks, spans = recording
+      start = sum(map(len, chunks))
+      spans.append((start, start + len(text)))
+    return text
 
 
 def _raise(message: str):
@@ -101,18 +123,31 @@ class ChatEncoder:
                         'set data.chat_template.') from None
     self.tokenizer = tokenizer
 
-  def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+  def render(self, messages: list[dict], add_generation_prompt: bool,
+             generation_spans: list[tuple[int, int]] | None = None) -> str:
+    """The rendered text; the spans of its generation blocks are appended to
+    `generation_spans` when one is given."""
+    chunks = []
+    recording = _RECORDING.set((chunks, generation_spans)) if generation_spans is not None else None
     try:
-      return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                  **self.specials)
+      for chunk in self.template.generate(messages=messages, **self.specials,
+                                          add_generation_prompt=add_generation_prompt):
+        chunks.append(chunk)
     except jinja2.TemplateError as e:
       raise ConfigError(f'the chat template of {self.where} fails on a conversation ({e}); '
                         'fix the data or set data.chat_template.') from None
+    finally:
+      if recording is not None:
+        _RECORDING.reset(recording)
+    return ''.join(chunks)
 
   def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns."""
-    text = self.render(messages, add_generation_prompt=False)
+    """The rendered conversation and the character spans of what the assistant says: its
+    generation blocks where the template has them, else its turns rendered one by one."""
     spans = []
+    if self.template.environment.marks_generation:
+      return self.render(messages, add_generation_prompt=False, generation_spans=spans), spans
+    text = self.render(messages, add_generation_prompt=False)
     for i, message in enumerate(messages):
       if message['role'] != 'assistant':
         continue

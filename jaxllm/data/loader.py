@@ -32,7 +32,7 @@ from jaxllm.config import ConfigError
 from jaxllm.data.chat import ChatEncoder
 from jaxllm.data.sources import ChatFiles, TokenRecords, split, stream_share
 from jaxllm.data.tokenizer import load_tokenizer
-from jaxllm.mesh import batch_sharding
+from jaxllm.parallel.mesh import batch_sharding
 
 # Threads that read and tokenize documents, and documents read ahead of the packer.
 READ_OPTIONS = grain.ReadOptions(num_threads=min(8, os.cpu_count() or 1), prefetch_buffer_size=128)

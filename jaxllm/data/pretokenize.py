@@ -15,7 +15,8 @@ import grain
 from absl import flags
 
 from jaxllm.backends import start_backends
-from jaxllm.config import ConfigError, main_guard, parse_command_line
+from jaxllm.cli import main_guard, parse_command_line
+from jaxllm.config import ConfigError
 from jaxllm.data.loader import READ_OPTIONS
 from jaxllm.data.sources import open_documents, write_token_records
 from jaxllm.data.tokenizer import load_tokenizer

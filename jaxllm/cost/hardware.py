@@ -1,6 +1,6 @@
 """Hardware profiles: what predictions need (peak FLOP/s, memory, link bandwidths) and, for a
 GPU, what XLA's GPU compiler needs to know of the device to compile for it without one
-(`jaxllm.backends.gpu_devices`).
+(`jaxllm.backends.gpu_devices`); and the devices' peak FLOP/s, which MFU divides by.
 """
 
 from __future__ import annotations
@@ -10,13 +10,25 @@ import math
 import os
 
 from jaxllm.config import ConfigError
-from jaxllm.mesh import host_split
+from jaxllm.parallel.mesh import host_split
 
 GiB, MiB = 2**30, 2**20
 
 # What JAX lets a process use of a GPU's memory by default (its allocator's preallocation);
 # XLA_PYTHON_CLIENT_MEM_FRACTION changes it.
 DEFAULT_MEM_FRACTION = 0.75
+
+# Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s of one device, by a substring of its
+# `device_kind`, the first that matches: NVIDIA's datasheets for the H100 (SXM and PCIe), H200
+# SXM, A100 (SXM, 40 and 80 GB alike) and HGX B200 (which print the sparse figure, twice these).
+# The profiles below take theirs from here, and so do the train prints' MFU (`metrics.peak_flops`).
+PEAK_FLOPS = {
+    'H100 PCIe': 756e12,
+    'H100': 989e12,
+    'H200': 989e12,
+    'A100': 312e12,
+    'B200': 2.25e15,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +100,21 @@ A100_80 = Gpu('NVIDIA A100-SXM4-80GB', (8, 0), 108, 1.41, 2.039e12, 40 * MiB, 64
 A100_40 = Gpu('NVIDIA A100-SXM4-40GB', (8, 0), 108, 1.41, 1.555e12, 40 * MiB, 64,
               AMPERE_SHARED_MEMORY)
 
-# H100 figures: ../docs performance model (NCCL bus bandwidth ~370 GB/s on NVLink4, 46–48 GB/s
-# per 400 Gb/s InfiniBand NIC, an 8192³ bf16 matmul at ~81% of peak). A100: NVLink3 rings
+# Peak FLOP/s: `PEAK_FLOPS`; memory bandwidth: NVIDIA's H100, H200 and A100 datasheets. Link
+# figures are the assumptions README.md's "See before you launch" lists, as NCCL bus bandwidth
+# (nccl-tests' doc/PERFORMANCE.md defines it): H100 ~370 GB/s on NVLink4 (900 GB/s per GPU, both
+# directions, in the datasheet), 46–48 GB/s per 400 Gb/s InfiniBand NIC (50 GB/s line rate), an
+# 8192³ bf16 matmul at ~81% of peak (public measurements, not ours). A100: NVLink3 rings
 # reach ~230 GB/s and 200 Gb/s HDR NICs ~23 GB/s. Memory: the total nvidia-smi reports.
 PROFILES = {p.name: p for p in (
     Hardware('h100-nvlink', 'H100 SXM 80 GB, NVLink nodes of 8, 400 Gb/s InfiniBand per GPU',
-             989e12, 81559 * MiB, 8, 370e9, 47e9, H100),
+             PEAK_FLOPS['H100'], 81559 * MiB, 8, 370e9, 47e9, H100),
     Hardware('h200-nvlink', 'H200 141 GB, NVLink nodes of 8, 400 Gb/s InfiniBand per GPU',
-             989e12, 143771 * MiB, 8, 370e9, 47e9, H200),
+             PEAK_FLOPS['H200'], 143771 * MiB, 8, 370e9, 47e9, H200),
     Hardware('a100-80-nvlink', 'A100 SXM 80 GB, NVLink nodes of 8, 200 Gb/s InfiniBand per GPU',
-             312e12, 81920 * MiB, 8, 230e9, 23e9, A100_80),
+             PEAK_FLOPS['A100'], 81920 * MiB, 8, 230e9, 23e9, A100_80),
     Hardware('a100-40-nvlink', 'A100 SXM 40 GB, NVLink nodes of 8, 200 Gb/s InfiniBand per GPU',
-             312e12, 40536 * MiB, 8, 230e9, 23e9, A100_40),
+             PEAK_FLOPS['A100'], 40536 * MiB, 8, 230e9, 23e9, A100_40),
 )}
 
 
@@ -132,6 +147,6 @@ def usable_memory(hardware: Hardware) -> tuple[float, float]:
 def axes_across_nodes(mesh_shape: dict[str, int], across_hosts: str,
                       devices_per_node: int) -> set[str]:
   """The mesh axes that span nodes when the devices fill nodes of `devices_per_node`, laid
-  out as a run lays them out (mesh.across_hosts, see `jaxllm.mesh.host_split`)."""
+  out as a run lays them out (mesh.across_hosts, see `jaxllm.parallel.mesh.host_split`)."""
   nodes = max(1, math.prod(mesh_shape.values()) // devices_per_node)
   return {a for a, n in host_split(mesh_shape, nodes, across_hosts).items() if n > 1}

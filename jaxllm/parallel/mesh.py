@@ -17,6 +17,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxllm.config import AXIS_FIELDS, MESH_AXES, ConfigError
+from jaxllm.parallel.rules import mesh_axes, spec_entry
 
 
 def make_mesh(shape: dict[str, int], devices=None,
@@ -82,52 +83,23 @@ def logical_spec(*names: str | tuple[str, ...] | None) -> P:
 
   Inside a shard_map only the compiler-managed axes can be named; manual ones are left out.
   """
-  def mesh_axes(name):
+  def bound_axes(name):
     names = name if isinstance(name, tuple) else (name,)
-    return tuple(a for n in names for a in spec_axes(spmd.apply_rules(P(n), None)[0]))
+    return tuple(a for n in names for a in mesh_axes(spmd.apply_rules(P(n), None)[0]))
 
-  spec = P(*(_spec_entry(mesh_axes(name)) for name in names))
+  spec = P(*(spec_entry(bound_axes(name)) for name in names))
   manual = jax.sharding.get_abstract_mesh().manual_axes
   return keep_axes(spec, set(MESH_AXES) - set(manual)) if manual else spec
 
 
-def spec_axes(entry) -> tuple[str, ...]:
-  """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _spec_entry(axes: tuple[str, ...]):
-  """The PartitionSpec entry for a tuple of mesh axes: None, one name, or the tuple."""
-  return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def keep_axes(spec: P, keep) -> P:
   """`spec` naming only the mesh axes in `keep`."""
-  return P(*(_spec_entry(tuple(a for a in spec_axes(e) if a in keep)) for e in spec))
+  return P(*(spec_entry(tuple(a for a in mesh_axes(e) if a in keep)) for e in spec))
 
 
 def flax_rules(rules) -> tuple:
   """The config's rules table in the form flax's `logical_axis_rules` takes."""
-  return tuple((name, _spec_entry(spec_axes(axes))) for name, axes in rules.items())
-
-
-def over_data(spec: P, shape: tuple[int, ...], mesh_shape) -> P:
-  """ZeRO's layout of an array laid out by `spec`: 'data' added after the axes of the
-  dimension with the largest shard that still splits evenly, so each device keeps a 1/data
-  slice of the shard it had (no data moves to make it). `spec` itself when data is one
-  device, is already in it, or no dimension divides."""
-  n = mesh_shape['data']
-  entries = list(spec) + [None] * (len(shape) - len(spec))
-  axes = [spec_axes(e) for e in entries]
-  if n == 1 or any('data' in a for a in axes):
-    return spec
-  parts = [math.prod(mesh_shape[a] for a in dim_axes) for dim_axes in axes]
-  fits = [i for i, d in enumerate(shape) if d % (parts[i] * n) == 0]
-  if not fits:
-    return spec
-  best = max(fits, key=lambda i: shape[i] // parts[i])  # the first of equals
-  entries[best] = _spec_entry(axes[best] + ('data',))
-  return P(*entries)
+  return tuple((name, spec_entry(mesh_axes(axes))) for name, axes in rules.items())
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
@@ -158,7 +130,7 @@ def check_divisible(abstract_state, mesh: jax.sharding.Mesh) -> None:
     logical = var.get_metadata().get('out_sharding') or ()
     spec = nnx.get_partition_spec(var).get_value()
     for dim, axes, name in zip(var.get_value().shape, spec, logical):
-      axes = spec_axes(axes)
+      axes = mesh_axes(axes)
       parts = math.prod(mesh.shape[a] for a in axes)
       if dim % parts:
         field = AXIS_FIELDS.get(name, f'the {name!r} axis')
@@ -168,3 +140,11 @@ def check_divisible(abstract_state, mesh: jax.sharding.Mesh) -> None:
             f'{field}={dim} does not split evenly over {split} (sharding.rules.{name}, '
             f'parameter {jax.tree_util.keystr(path)}); make it a multiple of {parts}{shared} '
             f'or change the mesh or sharding.rules.{name}.')
+
+
+def dividing_spec(x, *names) -> P:
+  """The PartitionSpec of `x`'s logical axis names, except that a dimension its mesh axes do
+  not divide (a small batch) stays whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return P(*(e if x.shape[i] % math.prod(mesh.shape[a] for a in mesh_axes(e)) == 0 else None
+             for i, e in enumerate(logical_spec(*names))))

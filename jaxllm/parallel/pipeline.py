@@ -24,8 +24,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import pipeline_shape
-from jaxllm.mesh import keep_axes, logical_spec, spec_axes, split_micro_batches
-from jaxllm.model import scan_blocks, stack_policy
+from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
+from jaxllm.parallel.rules import mesh_axes
+from jaxllm.model.remat import stack_policy
+from jaxllm.model.transformer import scan_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,7 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
   # train step makes data manual: `step.gradients`): each device then sums its weight gradients
   # over all micro-batches locally, and they are reduced across those axes once per pipeline
   # run, where they leave the shard_map. 'tensor' stays with the compiler.
-  batch_axes = spec_axes(logical_spec('batch')[0])
+  batch_axes = mesh_axes(logical_spec('batch')[0])
   manual = {'pipe', *batch_axes}
   # Stored stage-major, so [L] -> [S, R, L/(S·R)] keeps each stage's layers where they are.
   staged = jax.tree.map(lambda w: w.reshape(S, R, -1, *w.shape[1:]), stacked)
@@ -98,7 +100,7 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
                           nnx.get_partition_spec(stacked))
   # What fsdp split of each weight is gathered in the compute dtype, as (dimension, axis).
   gather = lambda w, s: gather_for_compute(
-      w, tuple((dim, axis) for dim, entry in enumerate(s) for axis in reversed(spec_axes(entry))
+      w, tuple((dim, axis) for dim, entry in enumerate(s) for axis in reversed(mesh_axes(entry))
                if axis in batch_axes), jnp.dtype(compute_dtype), jnp.dtype(grad_dtype))
 
   def run_stage(staged, repeat, x_BTD, rows_info):
@@ -166,7 +168,7 @@ def stage_row_order(a, micro_batches: int):
   """The rows of `a` [B, ...] as `pipeline_layers` returns them: split over pipe, then the
   batch axes, each device holding its stage's M/S micro-batches of its own rows, micro-batch by
   micro-batch. Rearranged where they are: nothing moves between devices."""
-  batch_axes = spec_axes(logical_spec('batch')[0])
+  batch_axes = mesh_axes(logical_spec('batch')[0])
 
   def local(a):
     a_M = a.reshape(-1, micro_batches, *a.shape[1:]).swapaxes(0, 1)  # as split_micro_batches

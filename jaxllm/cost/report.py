@@ -1,0 +1,270 @@
+"""What a compiled step says of itself, per device: memory, FLOPs, attention kernels, the
+collectives by mesh axes beside the analytic bytes, the largest arrays, and a predicted step
+time and MFU on a hardware profile; as a JSON-ready dict and as text."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from ml_collections import ConfigDict
+
+from jaxllm import metrics
+from jaxllm.backends import is_compile_only
+from jaxllm.cost import hlo
+from jaxllm.cost.compile import Compiled, compile_step
+from jaxllm.cost.hardware import Hardware, axes_across_nodes, usable_memory
+from jaxllm.cost.traffic import expected_bytes
+
+
+def collective_table(c: Compiled, hardware: Hardware) -> tuple[list[dict], list[dict]]:
+  """The compiled collectives grouped by (mesh axes, kind, element type) with count, bytes
+  and time; and their bytes per mesh-axes group beside the analytic figure.
+
+  A combined op moving several element types counts once in each of their rows (and so does
+  its latency)."""
+  groups = collections.defaultdict(lambda: {'count': 0, 'bytes': 0.0, 'rewritten': 0})
+  for x in hlo.collectives(c.text, c.mesh_shape, cpu=c.cpu):
+    g = groups[(x.axes, x.kind, x.dtype)]
+    g['count'] += x.count
+    g['bytes'] += x.bytes
+    g['rewritten'] += x.count if (x.from_all_reduce or x.summed) else 0
+  expected = expected_bytes(c)
+  per_axes = collections.Counter()
+  for (axes, _, _), g in groups.items():
+    per_axes[axes] += g['bytes']
+  rows = []
+  spanning = axes_across_nodes(c.mesh_shape, c.cfg.mesh.across_hosts, hardware.devices_per_node)
+  for (axes, kind, dtype), g in sorted(groups.items()):
+    crosses = bool(spanning & set(axes))
+    bandwidth, latency = ((hardware.inter_node_bw, hardware.inter_node_latency) if crosses else
+                          (hardware.intra_node_bw, hardware.intra_node_latency))
+    rows.append({'axes': list(axes), 'kind': kind, 'dtype': dtype, 'count': g['count'],
+                 'bytes': g['bytes'], 'rewritten': g['rewritten'], 'crosses_nodes': crosses,
+                 'seconds': g['bytes'] / bandwidth + g['count'] * latency})
+  totals = []
+  for axes, compiled in sorted(per_axes.items()):
+    analytic = expected.get(axes)
+    totals.append({'axes': list(axes), 'bytes': compiled, 'analytic': analytic,
+                   'ratio': compiled / analytic if analytic else None})
+  return rows, totals
+
+
+def peak_bytes(executable: jax.stages.Compiled) -> int:
+  """A compiled program's peak bytes per device by the compiler's own analysis: arguments and
+  outputs (donated ones once) plus temporaries."""
+  stats = executable.memory_analysis()
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def memory(c: Compiled) -> dict[str, float]:
+  """Per-device bytes: state from its shardings, the rest from the compiler's buffer
+  assignment."""
+  gradients = c.state_bytes['params']  # as the params; held among the temporaries
+  if c.layout.zero == 2 and c.cfg.train.micro_batches > 1:  # split as the moments are
+    gradients -= c.zero_split_bytes * (1 - 1 / c.mesh_shape['data'])
+  return {'params': c.state_bytes['params'], 'optimizer': c.state_bytes['optimizer'],
+          'gradients': gradients,
+          'temporaries': c.executable.memory_analysis().temp_size_in_bytes,
+          'peak': peak_bytes(c.executable)}
+
+
+def attention(c: Compiled) -> dict:
+  """How attention runs in the program: cuDNN's fused kernels (with their masks, any bias
+  operand, FLOPs from shapes, and apart the forwards rerun in the backward), or XLA's ops,
+  which hold the [B, N, T, S] scores."""
+  kernels = collections.defaultdict(lambda: {'count': 0, 'flops': 0.0})
+  for k in hlo.fused_attention(c.text):
+    row = kernels[(k.target, k.flash, k.mask, k.bias, k.recomputed_by)]
+    row['count'] += k.count
+    row['flops'] += k.count * k.flops
+  rows = sorted(kernels.items(), key=lambda kv: kv[0][4] is not None)  # reruns last
+  return {'implementation': c.cfg.model.attention,
+          'kernels': [{'target': t, 'flash': f, 'mask': m, 'bias': b, 'recomputed_by': r, **v}
+                      for (t, f, m, b, r), v in rows],
+          'flops_per_device': sum(v['flops'] for v in kernels.values())}
+
+
+def predict(c: Compiled, collectives: list[dict], flops_per_device: float,
+            hardware: Hardware) -> dict[str, float]:
+  """Step time on `hardware`: compute at the profile's matmul rate; tensor and pipe traffic
+  exposed (it sits between dependent matmuls); data and fsdp traffic overlapped with compute
+  by XLA's scheduler, exposed only where it outlasts the compute. The bubble is the schedule's
+  idle share of the compute (its iterations run on zeros)."""
+  compute = flops_per_device / (hardware.peak_flops * hardware.matmul_efficiency)
+  serial = sum(r['seconds'] for r in collectives if set(r['axes']) & {'tensor', 'pipe'})
+  overlapped = sum(r['seconds'] for r in collectives if not set(r['axes']) & {'tensor', 'pipe'})
+  bubble = compute * (c.pipeline.bubble_fraction if c.pipeline else 0.0)
+  exposed = serial + max(0.0, overlapped - compute)
+  step = compute + exposed
+  cfg = c.cfg
+  devices = math.prod(c.mesh_shape.values())
+  tokens = cfg.train.global_batch * cfg.data.seq_len
+  model_flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
+  mfu = lambda convention: model_flops[convention] * tokens / (step * devices * hardware.peak_flops)
+  return {'compute_s': compute - bubble, 'bubble_s': bubble, 'exposed_comm_s': exposed,
+          'step_s': step, 'tokens_per_s': tokens / step, 'mfu': mfu('full'),
+          'mfu_causal': mfu('causal')}
+
+
+def compiler(c: Compiled) -> dict:
+  """Which compiler made the program, and for what."""
+  return {'platform': c.device.platform, 'device': c.device.device_kind,
+          'compile_only': is_compile_only(c.device), 'jax': jax.__version__}
+
+
+def analyze(cfg: ConfigDict, hardware: Hardware, devices=None) -> dict:
+  """The whole report as a JSON-ready dict, for `devices` (default: those present)."""
+  return report(compile_step(cfg, devices), hardware)
+
+
+def report(c: Compiled, hardware: Hardware) -> dict:
+  """What `analyze` says of a compiled step, as a JSON-ready dict."""
+  rows, totals = collective_table(c, hardware)
+  cfg = c.cfg
+  m, t = cfg.model, cfg.train
+  devices_n = math.prod(c.mesh_shape.values())
+  tokens = t.global_batch * cfg.data.seq_len
+  flops = metrics.flops_per_token(m, cfg.data.seq_len)
+  matmul_flops = hlo.dot_flops(c.text)
+  attn = attention(c)
+  compiled_flops = matmul_flops + attn['flops_per_device']
+  recomputed = hlo.recomputed_flops(c.text)
+  mem = memory(c)
+  usable, fraction = usable_memory(hardware)
+  counts = metrics.param_counts(m)
+  return {
+      'compiler': compiler(c), 'mesh': c.mesh_shape, 'hardware': dataclasses.asdict(hardware),
+      'params': {'total': counts['total'],
+                 'per_device': c.state_bytes['params'] // jnp.dtype(m.param_dtype).itemsize},
+      'memory': {**mem, 'usable': usable, 'usable_fraction': fraction},
+      'fits': mem['peak'] <= usable,
+      'flops': {'model_per_token': flops['full'], 'model_per_token_causal': flops['causal'],
+                'model_per_step': flops['full'] * tokens,
+                'compiled_matmul_per_device': matmul_flops,
+                'compiled_per_device': compiled_flops,
+                'compiled_per_step': compiled_flops * devices_n,
+                'remat': m.remat,
+                # Forward work rerun in the backward, by the remat policy and by XLA.
+                'recomputed_per_device': sum(recomputed.values()),
+                'recomputed_per_step': sum(recomputed.values()) * devices_n,
+                'recomputed_by_xla_per_step': recomputed['xla'] * devices_n},
+      'attention': attn,
+      'pipeline': (None if not c.pipeline else {
+          'stages': c.pipeline.stages, 'repeats': c.pipeline.repeats,
+          'microbatches': c.pipeline.microbatches, 'bubble': c.pipeline.bubble_fraction}),
+      'collectives': rows, 'per_axis': totals,
+      'largest_arrays': [{'bytes': b, 'shape': shape, 'op': op}
+                         for b, shape, op in hlo.largest_values(c.text)],
+      'prediction': predict(c, rows, compiled_flops, hardware),
+  }
+
+
+def seconds_text(s: float) -> str:
+  return f'{s * 1e3:,.2f} ms' if s >= 1e-3 else f'{s * 1e6:,.2f} µs'
+
+
+def size_text(n: float) -> str:
+  for unit, scale in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+    if abs(n) >= scale:
+      return f'{n / scale:,.2f} {unit}'
+  return f'{n:,.0f} B'
+
+
+def program_text(platform: str, count: int, device_kind: str, compile_only: bool) -> str:
+  """Whose program it is, for the text reports of analyze and tune."""
+  if platform != 'gpu':
+    return f'{platform.upper()} compiler\'s program for {count} devices'
+  return (f'GPU: XLA\'s program for {count} × {device_kind}'
+          + (', compiled without a GPU' if compile_only else ''))
+
+
+def format_report(r: dict) -> str:
+  hw, mem, fl, pr, comp = r['hardware'], r['memory'], r['flops'], r['prediction'], r['compiler']
+  devices = math.prod(r['mesh'].values())
+  program = program_text(comp['platform'], devices, comp['device'], comp['compile_only'])
+  if comp['platform'] != 'gpu':
+    program += ': memory, element types and fusions are its own, not a GPU\'s'
+  fit = 'fits' if r['fits'] else 'does NOT fit'
+  lines = [
+      f'program  {program}; jax {comp["jax"]}',
+      f'mesh     {" ".join(f"{a}={n}" for a, n in r["mesh"].items())}  ({devices} devices)',
+      f'params   {r["params"]["total"] / 1e6:,.2f}M total, {r["params"]["per_device"] / 1e6:,.2f}M '
+      'per device',
+      'memory per device:',
+      f'  params       {size_text(mem["params"]):>12}',
+      f'  optimizer    {size_text(mem["optimizer"]):>12}',
+      f'  gradients    {size_text(mem["gradients"]):>12}   (their sum; among the temporaries)',
+      f'  temporaries  {size_text(mem["temporaries"]):>12}   (activations, gradients, workspace: '
+      'the compiler\'s buffer assignment)',
+      f'  peak         {size_text(mem["peak"]):>12}   {fit} the {size_text(mem["usable"])} a '
+      f'process may use of {hw["name"]}\'s {size_text(hw["memory"])} '
+      f'(XLA_PYTHON_CLIENT_MEM_FRACTION={mem["usable_fraction"]:g})',
+      f'FLOPs    model {fl["model_per_token"] / 1e9:,.3f} GFLOP/token (6N + 12LHQT; '
+      f'{fl["model_per_token_causal"] / 1e9:,.3f} with causal halving), '
+      f'{fl["model_per_step"] / 1e12:,.3f} TFLOP/step; compiled '
+      f'{fl["compiled_per_step"] / 1e12:,.3f} TFLOP/step '
+      f'({fl["compiled_per_step"] / fl["model_per_step"]:.2f}× model; matmuls from the program'
+      + (', fused attention from its shapes)' if r['attention']['kernels'] else ')'),
+      recomputed_text(fl),
+  ]
+  lines += attention_lines(r['attention'])
+  if r['pipeline']:
+    p = r['pipeline']
+    lines.append(f'pipeline S={p["stages"]} R={p["repeats"]} M={p["microbatches"]}: bubble '
+                 f'{p["bubble"]:.1%}')
+  lines.append('collectives per step, bytes sent by one device:')
+  lines.append(f'  {"axes":16} {"kind":19} {"dtype":5} {"count":>7} {"bytes":>12} {"time":>10}'
+               '  link')
+  for c in r['collectives']:
+    note = '*' if c['rewritten'] else ' '
+    lines.append(f'  {",".join(c["axes"]):16} {c["kind"] + note:19} {c["dtype"]:5} '
+                 f'{c["count"]:>7,} {size_text(c["bytes"]):>12} {seconds_text(c["seconds"]):>10}  '
+                 f'{"inter-node" if c["crosses_nodes"] else "intra-node"}')
+  if any(c['rewritten'] for c in r['collectives']):
+    lines.append('  * counted as an accelerator runs it: an all-reduce whose result is only '
+                 'sliced is a reduce-scatter; all-reduced values that are only summed are '
+                 'reduced once')
+  lines.append('per axis, compiled against analytic (see `expected_bytes`):')
+  for a in r['per_axis']:
+    analytic = (f'{size_text(a["analytic"]):>12}  ratio {a["ratio"]:.3f}' if a['analytic']
+                else f'{"–":>12}')
+    lines.append(f'  {",".join(a["axes"]):16} {size_text(a["bytes"]):>12}  analytic {analytic}')
+  lines.append('largest arrays the program computes (not all live at once):')
+  for a in r['largest_arrays']:
+    lines.append(f'  {size_text(a["bytes"]):>12}  {a["shape"]:28} {a["op"]}')
+  lines.append(
+      f'predicted on {hw["name"]}: step {seconds_text(pr["step_s"])} = compute '
+      f'{seconds_text(pr["compute_s"])} + bubble {seconds_text(pr["bubble_s"])} + exposed '
+      f'communication {seconds_text(pr["exposed_comm_s"])}; {pr["tokens_per_s"]:,.0f} tokens/s, '
+      f'MFU {pr["mfu"]:.1%} ({pr["mfu_causal"]:.1%} with causal halving). A model, not a '
+      f'measurement: matmuls at {hw["matmul_efficiency"]:.0%} of peak, data and fsdp traffic '
+      'hidden behind compute, tensor and pipe traffic exposed; tune --measure times it')
+  return '\n'.join(lines)
+
+
+def recomputed_text(fl: dict) -> str:
+  """The forward work the backward reruns, for the text report."""
+  total, by_xla = fl['recomputed_per_step'], fl['recomputed_by_xla_per_step']
+  return (f'         recomputed {total / 1e12:,.3f} TFLOP/step ({total / fl["model_per_step"]:.1%} '
+          f'of model), forward matmuls and attention rerun in the backward: '
+          f'{(total - by_xla) / 1e12:,.3f} by remat {fl["remat"]!r}, {by_xla / 1e12:,.3f} by XLA '
+          'to fit the memory')
+
+
+def attention_lines(a: dict) -> list[str]:
+  """How attention runs, for the text report."""
+  if not a['kernels']:
+    return [f'attention {a["implementation"]}: XLA\'s ops, no fused kernel; the [B, N, T, S] '
+            'scores are held in memory']
+  lines = ['attention cuDNN kernels per step (FLOPs from their shapes):']
+  for k in a['kernels']:
+    bias = f', bias operand {k["bias"]}' if k['bias'] else ''
+    rerun = f' (recomputed by {k["recomputed_by"]})' if k['recomputed_by'] else ''
+    lines.append(f'  {k["target"]:36} ×{k["count"]:<5,} {"flash" if k["flash"] else "not flash"}'
+                 f', mask {k["mask"]}{bias}, {k["flops"] / 1e12:,.3f} TFLOP{rerun}')
+  return lines

@@ -1,0 +1,98 @@
+"""The analytic bytes each device sends per step over each mesh axis, beside which the
+report sets the compiled program's."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxllm.cost.compile import Compiled
+from jaxllm.parallel.rules import parts
+
+
+def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
+  """Analytic bytes each device sends per step over each single mesh axis (ring collectives, as
+  README.md's "See before you launch" tabulates them; 2(N−1)/N is nccl-tests' bus-bandwidth
+  factor for all-reduce, doc/PERFORMANCE.md).
+
+  Weights move in the compute dtype, gradients in model.grad_reduce_dtype (`g·` below scales
+  parameter bytes to it; `a·` to the compute dtype).
+  data: a ring all-reduce of the gradients, 2(N−1)/N·g·P, once per step. Under ZeRO the
+    gradients of the parameters whose update it splits (Z of P) are reduce-scattered and the
+    updated parameters all-gathered instead, (N−1)/N·(g + 1)·Z: the all-reduce's bytes when
+    g = 1 (the ZeRO paper's "same traffic as data parallelism"); with sharding.zero=2 the
+    reduce-scatter runs per micro-batch, (N−1)/N·(M·g + 1)·Z.
+  fsdp, per micro-batch: the layers' weights all-gathered in forward and backward and their
+    gradients reduce-scattered, (N−1)/N·(2a + g)·P; the output head gathered once (the loss
+    takes its gradients as it goes) and reduced, (N−1)/N·(a + g)·P; under a pipeline with
+    gather_weights='step' the stage weights likewise, once for all iterations; the embedding
+    lookup moves rows, not weights: the looked-up b·s·h forward and backward, 2(N−1)/N·b·s·h; the
+    parameters fsdp does not split (norm scales) are all-reduced, 2(N−1)/N·g·P.
+    (No figure for gather_weights='iteration'.)
+  tensor: 4 all-reduces of b·s·h per layer and micro-batch (2 forward, 2 backward), 2(N−1)/N
+    each. With sequence parallelism (rules.act_seq over tensor) each is a reduce-scatter and an
+    all-gather, the same bytes, and the backward all-gathers the two norms' outputs again for
+    the weight gradients (Megatron-LM's figure): 5·2(N−1)/N·b·s·h per layer. With K/V heads
+    replicated over tensor (fewer than it), their weights' gradients are all-reduced too,
+    2(N−1)/N·g·W per micro-batch (W: the K/V weights' bytes on one device).
+  seq (context parallelism, per axis of rules.seq, on top of its own traffic): per layer and
+    micro-batch each device's keys and values all-gathered from the whole sequence S and their
+    gradients reduce-scattered back, 4(N−1)/N·b·S·k (k: the K/V width on one device).
+  pipe: per micro-batch, b·s·h/M forward and backward in each of the R·M+S−1 iterations of
+    the scanned schedule (bubble iterations shift too); the last stage's outputs handed out,
+    M/S micro-batches to each stage (a reduce-scatter, an all-gather backward),
+    2(S−1)/S·b·s·h; the first stage's input gradient, all-reduced for the embedding every
+    stage holds, 2(S−1)/S·b·s·h; and once per step (XLA sums the micro-batches' first), the
+    output head's gradient, which each stage makes from its rows, all-reduced, 2(S−1)/S·g·H
+    (H the head's bytes on one device).
+  P is the parameter bytes on one device before the axis' own split; b the rows on one device,
+  s its part of the sequence (all of it unless rules.seq splits it).
+  """
+  cfg, shape = c.cfg, c.mesh_shape
+  m, t = cfg.model, cfg.train
+  act_bytes = jnp.dtype(m.dtype).itemsize
+  a = act_bytes / jnp.dtype(m.param_dtype).itemsize
+  g = jnp.dtype(m.grad_reduce_dtype).itemsize / jnp.dtype(m.param_dtype).itemsize
+  rules = c.layout.rules
+  rows = t.global_batch // t.micro_batches // c.layout.batch_shards  # b per micro-batch, device
+  seq_parts = parts(rules['seq'], shape)
+  bsh = rows * cfg.data.seq_len // seq_parts * m.embed_dim * act_bytes  # s: this device's
+  params = c.state_bytes['params']
+  expected = {}
+  n = shape['data']
+  if n > 1:
+    split = c.zero_split_bytes
+    scatters = t.micro_batches if c.layout.zero == 2 else 1
+    expected[('data',)] = (n - 1) / n * (2 * g * (params - split) + (scatters * g + 1) * split)
+  n = shape['fsdp']
+  if n > 1 and not (c.pipeline and c.pipeline.gather_weights == 'iteration'):
+    # Whole bytes (before the fsdp split) of what is gathered twice and what once.
+    blocks, head = n * c.block_split_bytes, n * c.head_split_bytes
+    unsplit = params - c.fsdp_split_bytes
+    # With gather_weights='step' the stage weights are gathered once for all iterations.
+    per_micro = ((a + g if c.pipeline else 2 * a + g) * blocks + (a + g) * head +
+                 2 * g * unsplit + 2 * bsh)
+    expected[('fsdp',)] = (n - 1) / n * t.micro_batches * per_micro
+  n = shape['tensor']
+  if n > 1:
+    per_layer = 5 if 'tensor' in rules['act_seq'] else 4
+    expected[('tensor',)] = per_layer * m.num_layers * t.micro_batches * 2 * (n - 1) / n * bsh
+    if 'tensor' in rules['heads'] and 'tensor' not in rules['kv_heads']:
+      fsdp = parts(rules['embed'], shape)
+      kv_weights = (2 * m.num_layers // shape['pipe'] * m.embed_dim // fsdp * m.num_kv_heads *
+                    m.head_dim * jnp.dtype(m.param_dtype).itemsize)
+      expected[('tensor',)] += t.micro_batches * 2 * (n - 1) / n * g * kv_weights
+  for axis in rules['seq']:
+    n = shape[axis]
+    if n > 1:
+      kv_parts = parts(rules['act_kv_heads'], shape)
+      bSk = bsh * seq_parts / m.embed_dim * m.num_kv_heads * m.head_dim / kv_parts
+      expected[(axis,)] = (expected.get((axis,), 0) +
+                           4 * m.num_layers * t.micro_batches * (n - 1) / n * bSk)
+  if c.pipeline:
+    p = c.pipeline
+    shifts = 2 * p.iterations * bsh / p.microbatches
+    ends = 2 * (p.stages - 1) / p.stages * 2 * bsh
+    head = 2 * (p.stages - 1) / p.stages * g * c.head_bytes
+    expected[('pipe',)] = t.micro_batches * (shifts + ends) + head
+  return expected
+

@@ -1,0 +1,8 @@
+"""A Llama-style decoder in Flax NNX, written once for every mesh: `transformer` puts together
+`layers`, `attention`, `embedding`, `loss`, `kv_cache` and `remat`."""
+
+from jaxllm.model.attention import with_available_attention
+from jaxllm.model.kv_cache import KVCache
+from jaxllm.model.transformer import Transformer, sequence_positions
+
+__all__ = ['KVCache', 'Transformer', 'sequence_positions', 'with_available_attention']

@@ -1,0 +1,142 @@
+"""The decoder's building blocks: parameters, RMSNorm, rotary embeddings, `project` (a weight
+matmul with its own backward) and the SwiGLU MLP.
+
+Parameters and activations carry logical axis names only; `jaxllm.parallel.mesh` binds them to
+mesh axes. Shapes are spelled in suffixes: B batch, T sequence, D embed, N query heads, K kv
+heads, H head dim, F mlp hidden, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+from ml_collections import ConfigDict
+
+from jaxllm.parallel.mesh import constrain, keep_axes, logical_spec
+from jaxllm.parallel.rules import mesh_axes
+
+
+def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = param(rngs, nnx.initializers.ones, (dim,), ('norm',), param_dtype)
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ConfigDict) -> jax.Array:
+  """Inverse frequencies [H/2] of the rotary embedding, with optional Llama-3 scaling."""
+  h = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  s = cfg.rope_scaling
+  if s.factor <= 0:
+    return inv_freq
+  # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+  wavelen = 2 * math.pi / inv_freq
+  low_freq_wavelen = s.original_max_position / s.low_freq_factor
+  high_freq_wavelen = s.original_max_position / s.high_freq_factor
+  smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+      s.high_freq_factor - s.low_freq_factor)
+  blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+  return jnp.where(wavelen < high_freq_wavelen, inv_freq,
+                   jnp.where(wavelen > low_freq_wavelen, inv_freq / s.factor, blended))
+
+
+def apply_rope(x_BTnH, positions_BT, inv_freq):
+  """Rotates the two halves of each head (the layout Hugging Face Llama weights use)."""
+  angles = positions_BT[:, :, None, None].astype(jnp.float32) * inv_freq  # [B,T,1,H/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x1, x2 = jnp.split(x_BTnH.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTnH.dtype)
+
+
+def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None):
+  """`jnp.einsum(spec, x, w)` on x's dtype, w cast to it first (so an fsdp gather moves that
+  dtype), giving `out_dtype` (default x's). The backward runs both matmuls on x's dtype too and
+  makes w's gradient in `grad_dtype`: the gradient is summed over the devices that split the
+  batch straight out of its matmul, so this is the element type of that reduction.
+  The output is named 'projection' for the remat policies (REMAT).
+
+  `w_names`, w's logical axes: where the sequence is split over an axis that also splits w
+  (context parallelism over fsdp), w is gathered over it for the matmul, as fsdp gathers
+  weights; left to itself XLA may gather the activations instead, a whole sequence each."""
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  gathered = _gathered_over_sequence(w_names) if w_names else None
+  return checkpoint_name(_project(spec, jnp.dtype(grad_dtype), out_dtype, gathered, x, w),
+                         'projection')
+
+
+def _gathered_over_sequence(w_names) -> P | None:
+  """The layout of a weight with logical axes `w_names` whole over the mesh axes that split
+  the sequence; None where none of them splits it."""
+  seq_axes = set(mesh_axes(logical_spec('seq')[0]))
+  spec = logical_spec(*w_names)
+  if not seq_axes & {a for entry in spec for a in mesh_axes(entry)}:
+    return None
+  return keep_axes(spec, set(jax.sharding.get_abstract_mesh().axis_names) - seq_axes)
+
+
+def _in_compute_layout(w, x_dtype, gathered):
+  w = w.astype(x_dtype)
+  return w if gathered is None else jax.lax.with_sharding_constraint(w, gathered)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _project(spec, grad_dtype, out_dtype, gathered, x, w):
+  return jnp.einsum(spec, x, _in_compute_layout(w, x.dtype, gathered),
+                    preferred_element_type=out_dtype)
+
+
+def _project_fwd(spec, grad_dtype, out_dtype, gathered, x, w):
+  return _project(spec, grad_dtype, out_dtype, gathered, x, w), (x, w)
+
+
+def _project_bwd(spec, grad_dtype, out_dtype, gathered, residuals, g):
+  x, w = residuals
+  x_axes, rest = spec.split(',')
+  w_axes, out_axes = rest.split('->')
+  g = g.astype(x.dtype)
+  dx = jnp.einsum(f'{out_axes},{w_axes}->{x_axes}', g, _in_compute_layout(w, x.dtype, gathered))
+  dw = jnp.einsum(f'{x_axes},{out_axes}->{w_axes}', x, g, preferred_element_type=grad_dtype)
+  if gathered is not None:  # each device's positions' share, summed (and split) afterwards
+    dw = jax.lax.with_sharding_constraint(dw, gathered)
+  return dx, dw.astype(w.dtype)
+
+
+_project.defvjp(_project_fwd, _project_bwd)
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
+    D, F = cfg.embed_dim, cfg.mlp_dim
+    init = nnx.initializers.normal(cfg.init_std)
+    out_init = nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.num_layers))
+    pd = jnp.dtype(cfg.param_dtype)
+    self.w_gate_DF = param(rngs, init, (D, F), ('embed', 'mlp'), pd)
+    self.w_up_DF = param(rngs, init, (D, F), ('embed', 'mlp'), pd)
+    self.w_down_FD = param(rngs, out_init, (F, D), ('mlp', 'embed'), pd)
+    self.grad_reduce_dtype = cfg.grad_reduce_dtype
+
+  def __call__(self, x_BTD):
+    mm = lambda spec, x, p, names: project(spec, x, p[...], self.grad_reduce_dtype,
+                                           w_names=names)
+    gate_BTF = mm('btd,df->btf', x_BTD, self.w_gate_DF, ('embed', 'mlp'))
+    up_BTF = mm('btd,df->btf', x_BTD, self.w_up_DF, ('embed', 'mlp'))
+    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, 'batch', 'seq', 'act_mlp')
+    return mm('btf,fd->btd', h_BTF, self.w_down_FD, ('mlp', 'embed'))

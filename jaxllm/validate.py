@@ -1,0 +1,278 @@
+"""Checks a config's fields against each other and the mesh: each problem is a ConfigError
+that names the field and the fix. Nothing here changes the config; what follows from it for a
+run (the rules it shards by) is `jaxllm.parallel.rules.derive`'s."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from ml_collections import ConfigDict
+
+from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DTYPES, GATHER_MODES,
+                           MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES, SCHEDULES, ZERO_STAGES,
+                           ConfigError, pipeline_shape)
+from jaxllm.parallel.rules import batch_shards, mesh_axes
+
+def resolve_mesh(mesh_cfg: ConfigDict, num_devices: int) -> dict[str, int]:
+  """Mesh axis sizes with a -1 filled in; errors when they do not cover the devices."""
+  sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+  for a, n in sizes.items():
+    if n == 0 or n < -1:
+      raise ConfigError(f'mesh.{a}={n}: an axis size must be a positive integer or -1 (the rest).')
+  fill = [a for a, n in sizes.items() if n == -1]
+  if len(fill) > 1:
+    raise ConfigError(f'mesh: only one axis may be -1, got {", ".join(fill)}; '
+                      'give the others explicit sizes.')
+  known = math.prod(n for n in sizes.values() if n != -1)
+  if fill:
+    if num_devices % known:
+      raise ConfigError(f'mesh: the fixed axes multiply to {known}, which does not divide the '
+                        f'{num_devices} devices in use; change the mesh sizes.')
+    sizes[fill[0]] = num_devices // known
+  product = math.prod(sizes.values())
+  if product != num_devices:
+    shape = '×'.join(f'{a}={n}' for a, n in sizes.items())
+    raise ConfigError(f'mesh: {shape} makes {product} devices but {num_devices} are in use; '
+                      f'choose sizes whose product is {num_devices} (or set one axis to -1).')
+  return sizes
+
+
+def _choice(value, field: str, allowed: tuple[str, ...]):
+  if value not in allowed:
+    raise ConfigError(f'{field}={value!r} is unknown; use one of {", ".join(allowed)}.')
+
+
+def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
+  """Checks the fields against each other and the mesh (raises ConfigError). It never changes
+  the config: what follows from it (the rules a run shards by) is
+  `jaxllm.parallel.rules.derive`'s."""
+  m, t = cfg.model, cfg.train
+  _choice(m.remat, 'model.remat', REMAT_POLICIES)
+  _choice(m.attention, 'model.attention', ATTENTION_IMPLS)
+  _choice(m.dtype, 'model.dtype', DTYPES)
+  _choice(m.param_dtype, 'model.param_dtype', DTYPES)
+  _choice(m.grad_reduce_dtype, 'model.grad_reduce_dtype', DTYPES)
+  _validate_optim(cfg.optim, t.steps)
+  if cfg.metrics.wandb_project and importlib.util.find_spec('wandb') is None:
+    raise ConfigError(f'metrics.wandb_project={cfg.metrics.wandb_project!r} needs the wandb '
+                      "package: pip install wandb (or set metrics.wandb_project='').")
+  _choice(cfg.data.source, 'data.source', DATA_SOURCES)
+  if cfg.sharding.zero not in ZERO_STAGES:
+    raise ConfigError(f'sharding.zero={cfg.sharding.zero!r} is unknown; use 0 (off), 1 (optimizer '
+                      'state split over data) or 2 (and the gradient sum).')
+  _choice(cfg.data.format, 'data.format', DATA_FORMATS)
+  if cfg.cpu_devices < 0:
+    raise ConfigError(f'cpu_devices={cfg.cpu_devices} must be at least 0 (0: JAX\'s default).')
+  if not 0 <= cfg.data.eval_fraction < 1:
+    raise ConfigError(f'data.eval_fraction={cfg.data.eval_fraction} must be in [0, 1).')
+  for field, least in (('eval.every', 0), ('eval.batches', 1), ('checkpoint.every', 0),
+                       ('checkpoint.keep', 1), ('data.prefetch', 0), ('profile.start_step', 0),
+                       ('profile.steps', 1)):
+    section, name = field.split('.')
+    if cfg[section][name] < least:
+      raise ConfigError(f'{field}={cfg[section][name]} must be at least {least}.')
+  if cfg.eval.every and (cfg.data.source != 'files' or
+                         not (cfg.data.eval_path or cfg.data.eval_fraction)):
+    raise ConfigError(f'eval.every={cfg.eval.every} needs a held-out split of file data: set '
+                      'data.eval_path or data.eval_fraction, or eval.every=0.')
+
+  for field in ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads',
+                'head_dim', 'mlp_dim', 'max_documents'):
+    if m[field] < 1:
+      raise ConfigError(f'model.{field}={m[field]} must be positive.')
+  if m.max_position < 0:
+    raise ConfigError(f'model.max_position={m.max_position} must be at least 0 '
+                      '(0: data.seq_len).')
+  if m.head_dim % 2:
+    raise ConfigError(f'model.head_dim={m.head_dim} must be even for rotary embeddings.')
+  # NaN and inf fail these too: either would reach the model and come out as a NaN loss.
+  for field in ('rope_theta', 'norm_eps', 'init_std'):
+    if not (math.isfinite(m[field]) and m[field] > 0):
+      raise ConfigError(f'model.{field}={m[field]} must be a positive number.')
+  _validate_rope_scaling(m.rope_scaling)
+  if m.loss_chunk < 0 or (m.loss_chunk and cfg.data.seq_len > m.loss_chunk and
+                          cfg.data.seq_len % m.loss_chunk):
+    raise ConfigError(f'model.loss_chunk={m.loss_chunk} must divide data.seq_len='
+                      f'{cfg.data.seq_len} (or be 0 for the whole sequence at once).')
+  if m.attention == 'cudnn' and m.dtype != 'bfloat16':
+    raise ConfigError(f"model.attention='cudnn' computes in bfloat16, but model.dtype="
+                      f"{m.dtype!r}; set model.dtype='bfloat16' or use model.attention='xla'.")
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError(f'model.num_heads={m.num_heads} is not a multiple of '
+                      f'model.num_kv_heads={m.num_kv_heads}; grouped-query attention needs it.')
+
+  for field in ('steps', 'log_every', 'global_batch', 'micro_batches'):
+    if t[field] < 1:
+      raise ConfigError(f'train.{field}={t[field]} must be at least 1.')
+  if cfg.data.seq_len < 1:
+    raise ConfigError(f'data.seq_len={cfg.data.seq_len} must be at least 1.')
+  if not 0 <= t.seed < 2**32:  # the data's shuffle and the synthetic batch take no other
+    raise ConfigError(f'train.seed={t.seed} must be in [0, 2**32).')
+  if not (math.isfinite(t.peak_flops) and t.peak_flops >= 0):  # a negative one was ignored
+    raise ConfigError(f'train.peak_flops={t.peak_flops} must be a device\'s peak FLOP/s, or 0 '
+                      'to look the device up.')
+  if cfg.pipeline.repeats < 1:
+    raise ConfigError(f'pipeline.repeats={cfg.pipeline.repeats} must be at least 1.')
+  if cfg.pipeline.microbatches < 0:
+    raise ConfigError(f'pipeline.microbatches={cfg.pipeline.microbatches} must be at least 0 '
+                      '(0: 2 × mesh.pipe).')
+  shards, split = batch_shards(cfg.sharding.rules, mesh_shape), _batch_split(cfg)
+  if t.global_batch % (shards * t.micro_batches):
+    raise ConfigError(
+        f'train.global_batch={t.global_batch} is not divisible by {split}×micro_batches = '
+        f'{shards}×{t.micro_batches}; make it a multiple of {shards * t.micro_batches} or '
+        'change train.micro_batches.')
+  if mesh_shape['pipe'] > 1:
+    _validate_pipeline(cfg, mesh_shape)
+
+  across = [a.strip() for a in cfg.mesh.across_hosts.split(',') if a.strip()]
+  if any(a not in MESH_AXES for a in across):
+    raise ConfigError(f'mesh.across_hosts={cfg.mesh.across_hosts!r} names unknown axes '
+                      f'{[a for a in across if a not in MESH_AXES]}; use a comma-separated list '
+                      f'of {", ".join(MESH_AXES)}.')
+  if cfg.data.streams < 0:
+    raise ConfigError(f'data.streams={cfg.data.streams} must be at least 0 (0: one per process).')
+  validate_distributed(cfg.distributed)
+
+  rules = cfg.sharding.rules
+  for name, axes in rules.items():
+    unknown = [a for a in mesh_axes(axes) if a not in MESH_AXES]
+    if unknown:
+      raise ConfigError(f'sharding.rules.{name}={mesh_axes(axes)} names unknown mesh axes '
+                        f'{unknown}; use {", ".join(MESH_AXES)}.')
+  _validate_sequence_split(cfg, mesh_shape)
+
+
+def _batch_split(cfg: ConfigDict) -> str:
+  """The batch rule's axes for a message, e.g. 'data×fsdp'."""
+  return '×'.join(mesh_axes(cfg.sharding.rules.batch)) or 'one (sharding.rules.batch=())'
+
+
+# The rules whose axes each sequence split must keep clear of: they split other dimensions
+# of the same activations (the residual stream for act_seq; every activation for seq).
+
+
+SEQUENCE_CLASHES = {
+    'seq': ('batch', 'act_seq', 'act_embed', 'act_heads', 'act_kv_heads', 'act_mlp', 'act_vocab'),
+    'act_seq': ('batch', 'act_embed'),
+}
+
+
+def _validate_sequence_split(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
+  """sharding.rules.seq (context parallelism) and act_seq (sequence parallelism): over axes
+  the step leaves to the compiler, splitting no other dimension of the same activations,
+  into parts that divide the sequence."""
+  rules = cfg.sharding.rules
+  for name, others in SEQUENCE_CLASHES.items():
+    axes = mesh_axes(rules[name])
+    by_hand = [a for a in axes if a in ('data', 'pipe')]
+    if by_hand:
+      raise ConfigError(f'sharding.rules.{name}={axes} names {by_hand[0]!r}, whose rows or '
+                        "stages the train step splits by hand; split the sequence over 'fsdp' "
+                        "or 'tensor'.")
+    for other in others:
+      common = [a for a in axes if a in mesh_axes(rules[other])]
+      if common:
+        raise ConfigError(f'sharding.rules.{name}={axes} and sharding.rules.{other}='
+                          f'{mesh_axes(rules[other])} both split over {common[0]!r}; an axis '
+                          'splits one dimension of an activation: take it out of one of them.')
+  axes = mesh_axes(rules.seq) + mesh_axes(rules.act_seq)
+  parts = math.prod(mesh_shape[a] for a in axes)
+  if cfg.data.seq_len % parts:
+    raise ConfigError(f'data.seq_len={cfg.data.seq_len} does not split over sharding.rules.seq '
+                      f'and act_seq ({"×".join(axes)} = {parts}); make it a multiple of {parts} '
+                      'or change the mesh or those rules.')
+
+
+def _validate_optim(o: ConfigDict, train_steps: int) -> None:
+  """Each optimizer field in its meaningful range (NaN and inf fail too): a negative lr would
+  train by gradient ascent, a negative weight decay would grow the weights. 'wsd' decays over
+  the last updates of `train_steps`: warmup must end before that decay begins."""
+  _choice(o.schedule, 'optim.schedule', SCHEDULES)
+  _choice(o.state_dtype, 'optim.state_dtype', DTYPES)
+  ranges = {'lr': ('> 0', lambda v: v > 0), 'eps': ('> 0', lambda v: v > 0),
+            'min_lr_ratio': ('in [0, 1]', lambda v: 0 <= v <= 1),
+            'b1': ('in [0, 1)', lambda v: 0 <= v < 1), 'b2': ('in [0, 1)', lambda v: 0 <= v < 1),
+            'weight_decay': ('>= 0', lambda v: v >= 0),
+            'clip_norm': ('>= 0 (0: no clipping)', lambda v: v >= 0),
+            'z_loss': ('>= 0 (0: off)', lambda v: v >= 0)}
+  for field, (meaning, ok) in ranges.items():
+    if not (math.isfinite(o[field]) and ok(o[field])):
+      raise ConfigError(f'optim.{field}={o[field]} must be {meaning}.')
+  for field in ('warmup_steps', 'decay_steps'):
+    if o[field] < 0:
+      raise ConfigError(f'optim.{field}={o[field]} must be at least 0.')
+  if o.warmup_steps > train_steps:  # the lr would never reach optim.lr
+    raise ConfigError(f'optim.warmup_steps={o.warmup_steps} is longer than the run '
+                      f'(train.steps={train_steps}), so the lr never reaches optim.lr; lower '
+                      'optim.warmup_steps or raise train.steps.')
+  # As `jaxllm.optim.lr_schedule` takes it: past it, wsd would start the decay after warmup
+  # and end the run part-way down it, not at lr·min_lr_ratio.
+  decay = o.decay_steps or max(train_steps // 5, 1)
+  if o.schedule == 'wsd' and o.warmup_steps + decay > train_steps:
+    decay_text = (f'optim.decay_steps={o.decay_steps}' if o.decay_steps else
+                  f'optim.decay_steps=0 (a fifth of train.steps: {decay})')
+    raise ConfigError(f"optim.schedule='wsd' needs optim.warmup_steps + decay ≤ train.steps, but "
+                      f'optim.warmup_steps={o.warmup_steps} + {decay_text} > '
+                      f'train.steps={train_steps}: lower optim.warmup_steps or optim.decay_steps, '
+                      'or raise train.steps.')
+
+
+def _validate_rope_scaling(s: ConfigDict) -> None:
+  """Llama-3 frequency scaling, as transformers checks it: factor 0 turns it off, else
+  factor ≥ 1 and 0 < low_freq_factor < high_freq_factor (the blend divides by their gap)."""
+  if s.factor == 0:
+    return
+  if not (math.isfinite(s.factor) and s.factor >= 1):
+    raise ConfigError(f'model.rope_scaling.factor={s.factor} must be at least 1 (how many times '
+                      'original_max_position the context grows), or 0 for no scaling.')
+  if not 0 < s.low_freq_factor < s.high_freq_factor < math.inf:
+    raise ConfigError(f'model.rope_scaling.low_freq_factor={s.low_freq_factor} and '
+                      f'high_freq_factor={s.high_freq_factor} must have 0 < low < high '
+                      '(Llama 3.1: 1 and 4).')
+  if s.original_max_position < 1:
+    raise ConfigError(f'model.rope_scaling.original_max_position={s.original_max_position} must '
+                      'be the context length the model was trained for, e.g. 8192.')
+
+
+def validate_distributed(d: ConfigDict) -> None:
+  """The ranges of distributed.*. Processes join before the rest of the config is validated,
+  so `distributed` calls this first too."""
+  if d.num_processes < 0:
+    raise ConfigError(f'distributed.num_processes={d.num_processes} must be positive (or 0: '
+                      'from the cluster).')
+  if d.process_id < -1:
+    raise ConfigError(f'distributed.process_id={d.process_id} must be at least 0 (or -1: from '
+                      'the cluster).')
+  for field in ('initialization_timeout', 'heartbeat_timeout'):
+    if d[field] < 1:
+      raise ConfigError(f'distributed.{field}={d[field]} must be at least 1 (seconds).')
+
+
+def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
+  p, S = cfg.pipeline, mesh_shape['pipe']
+  _choice(p.schedule, 'pipeline.schedule', PIPELINE_SCHEDULES)
+  _choice(p.gather_weights, 'pipeline.gather_weights', GATHER_MODES)
+  R, M = pipeline_shape(cfg, S)
+  if p.schedule == 'gpipe' and R != 1:
+    raise ConfigError(f"pipeline.repeats={R} needs pipeline.schedule='circular'; "
+                      'set repeats=1 for gpipe.')
+  if p.schedule == 'circular' and R < 2:
+    raise ConfigError(f"pipeline.repeats={R}: the circular schedule needs repeats ≥ 2 "
+                      "(or use pipeline.schedule='gpipe').")
+  if cfg.model.num_layers % (S * R):
+    raise ConfigError(f'model.num_layers={cfg.model.num_layers} is not divisible by '
+                      f'pipe×repeats = {S}×{R}; change the layers, mesh.pipe or pipeline.repeats.')
+  if M < S or M % S:
+    raise ConfigError(f'pipeline.microbatches={M} is not a multiple of mesh.pipe={S}: each stage '
+                      f'runs the output head on M/S of them; use {S}, {2 * S} (a smaller bubble) '
+                      'or another multiple.')
+  slice_rows = cfg.train.global_batch // cfg.train.micro_batches
+  shards = batch_shards(cfg.sharding.rules, mesh_shape)
+  if slice_rows % (M * shards):
+    raise ConfigError(
+        f'train.global_batch={cfg.train.global_batch} (÷ train.micro_batches='
+        f'{cfg.train.micro_batches}) is not divisible by pipeline.microbatches×'
+        f'{_batch_split(cfg)} = {M}×{shards}; make it a multiple of '
+        f'{M * shards * cfg.train.micro_batches} or change pipeline.microbatches.')
