@@ -19,7 +19,7 @@ from jaxllm.config import ConfigError, TrainingError
 from jaxllm.parallel.pipeline import from_stage_order
 from jaxllm.train import setup, train
 
-TINY = ['--config', 'configs/tiny.py', '--config.train.log_every=1',
+TINY = ['--config', 'configs/tiny.py', '--config.train.log_every=1', '--config.optim.warmup_steps=0',
         '--config.model.num_layers=2', '--config.train.global_batch=8']
 
 

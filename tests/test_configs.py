@@ -74,7 +74,7 @@ def test_loading_a_config_starts_no_backend(tmp_path):
   recipe = tmp_path / 'hf_recipe.py'
   recipe.write_text(HF_RECIPE.format(path=str(hf_dir)))
   paths = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))) + [str(recipe)]
-  script = ('import sys\nfrom jax._src import xla_bridge\nfrom jaxllm.config import load_config\n'
+  script = ('import sys\nfrom jax._src import xla_bridge\nfrom jaxllm.cli import load_config\n'
             'for path in sys.argv[1:]:\n  cfg = load_config(path)\n'
             '  print(path, cfg.model.attention, xla_bridge.backends_are_initialized())\n')
   out = subprocess.run([sys.executable, '-c', script, *paths], capture_output=True, text=True,

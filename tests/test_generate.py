@@ -223,6 +223,7 @@ def tiny_checkpoints(tmp_path_factory):
   """configs/tiny.py trained a few steps; its checkpoint directory."""
   workdir = tmp_path_factory.mktemp('tiny_run')
   result = run_cli('--config', 'configs/tiny.py', '--config.train.steps=2',
+                   '--config.optim.warmup_steps=0',
                    '--config.eval.every=0', f'--workdir={workdir}')
   assert result.returncode == 0, result.stderr[-2000:]
   return workdir / 'checkpoints'

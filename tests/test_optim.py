@@ -57,10 +57,12 @@ def test_the_first_update_moves_the_params_during_warmup():
   log shows that lr."""
   cfg = small_config()
   cfg.optim.update(lr=1e-2, warmup_steps=10)
-  cfg.train.steps = 1
-  initial = jax.device_get(setup(cfg, jax.devices()[:1]).state.params)
-  state, history = train(cfg, None, jax.devices()[:1])
-  assert history[0]['lr'] == pytest.approx(1e-3)
+  cfg.train.steps = 10
+  run = setup(cfg, jax.devices()[:1])
+  initial = jax.device_get(run.state.params)
+  with sharding_context(run.mesh, run.layout.rules):
+    state, row = run.train_step(run.state, next(run.batches))
+  assert float(row['lr']) == pytest.approx(1e-3)
   pairs = paired_leaves(jax.device_get(state.params), initial)
   for path, (got, want) in zip(leaf_paths(initial), pairs, strict=True):
     if 'scale' not in path:

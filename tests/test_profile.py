@@ -6,6 +6,7 @@ from conftest import run_cli
 def test_profile_traces_the_chosen_steps(tmp_path):
   workdir = tmp_path / 'run'
   result = run_cli('--config', 'configs/tiny.py', '--config.train.steps=6',
+                   '--config.optim.warmup_steps=0',
                    '--config.train.log_every=3', '--config.profile.start_step=2',
                    '--config.profile.steps=2', '--config.eval.every=0',
                    '--config.checkpoint.every=0', f'--workdir={workdir}')

@@ -1,10 +1,10 @@
 """The rules a run shards by: one pure function from the config's rules table, the mesh and
 the model to the layout every entry point uses (train, generate, hf, analyze, tune).
 
-`sharding.rules` binds logical axis names to mesh axes as the user wrote it. A run applies it
-with what follows from the mesh and the model: K/V heads kept whole where the mesh splits them
-finer than there are heads, the batch's shards, the sequence's splits, ZeRO's stage.
-Validation checks the table; it never changes it.
+`sharding.rules` binds logical axis names to mesh axes as the user wrote it (the sequence's
+splits included: `seq`, `act_seq`). A run applies it with what follows from the mesh and the
+model: K/V heads kept whole where the mesh splits them finer than there are heads, the batch's
+shards, ZeRO's stage. Validation checks the table; it never changes it.
 """
 
 from __future__ import annotations

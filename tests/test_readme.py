@@ -1,0 +1,587 @@
+"""README.md is tested as written: every fenced code block in it is run here exactly as printed,
+or accounted for in `TABLE` with the reason it cannot run on this machine.
+
+The only changes made to a command are visible in the call that runs it: placeholders replaced
+by files this module makes (`configs/X.py`, `DIR`, `runs/X`, `/models/Llama-3.2-1B...`, a tiny
+bf16 Hugging Face Llama with a tokenizer), `python` run as this interpreter, the optional
+`[...]` of a syntax summary left out (or, for tune, three of them given), what a user must add
+(`needs`: the HF recipe's data path) and overrides appended that only cut a run short
+(`SHORTEN`). Each command runs in a temporary directory where `configs` links to the
+repository's, so `runs/...` lands there. A code block the table does not name fails
+`test_every_readme_code_block_is_in_the_table`: a new block needs a test (or a reason).
+"""
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from ast import literal_eval
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from ml_collections import ConfigDict
+from transformers import LlamaForCausalLM
+
+from conftest import REPO, paired_leaves
+from test_chat import tokenizer_dir  # noqa: F401  (a fixture: a BPE tokenizer with a chat template)
+from test_hf import RULES, hf_logits, mesh_of, our_logits, save_hf_model
+
+README = os.path.join(REPO, 'README.md')
+TIMEOUT = 600
+# Overrides that only shorten a run: the only flags appended to a README command. A run
+# shorter than its warmup is refused (validate.py), so a shortened run's warmup is cut with it.
+SHORTEN = ('--config.train.steps=', '--config.optim.warmup_steps=', '--config.checkpoint.every=',
+           '--config.eval.every=')
+TINY_STEPS = 12  # the README's profile traces steps 10–12
+
+
+def steps(n: int) -> list[str]:
+  """A run cut to n steps, its warmup with it."""
+  return [f'--config.train.steps={n}', f'--config.optim.warmup_steps={n}']
+
+
+# ----------------------------------------------------------------------------- README blocks
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  line: int            # of the opening fence, 1-based
+  lang: str            # '' when unlabelled
+  lines: tuple[str, ...]
+
+
+def readme_blocks() -> list[Block]:
+  blocks, opened = [], None
+  with open(README) as f:
+    for number, line in enumerate(f.read().splitlines(), 1):
+      if line.lstrip().startswith('```'):
+        if opened is None:
+          opened = (number, line.strip()[3:].strip(), [])
+        else:
+          blocks.append(Block(opened[0], opened[1], tuple(opened[2])))
+          opened = None
+      elif opened is not None:
+        opened[2].append(line)
+  assert opened is None, f'README.md:{opened[0]}: a code block is never closed'
+  return blocks
+
+
+SHELL = ('bash', 'sh', 'shell', 'console')
+
+
+def command_key(text: str) -> str:
+  """A shell command as printed, its comment dropped and runs of blanks made one."""
+  body = re.split(r'\s+#', text, maxsplit=1)[0]
+  assert shlex.split(body) == shlex.split(text, comments=True), text  # no '#' inside quotes
+  return ' '.join(body.split())
+
+
+def block_commands(block: Block) -> list[tuple[int, str]]:
+  """(line, key) of each command of a shell block, `\\` continuations joined; comment lines
+  are not commands."""
+  commands, pending, start = [], '', None
+  for number, line in enumerate(block.lines, block.line + 1):
+    if not pending and (not line.strip() or line.lstrip().startswith('#')):
+      continue
+    start = start or number
+    if line.rstrip().endswith('\\'):
+      pending += line.rstrip()[:-1].strip() + ' '
+      continue
+    commands.append((start, command_key(pending + line.strip())))
+    pending, start = '', None
+  assert not pending, f'README.md:{start}: a command ends in a continuation'
+  return commands
+
+
+def block_key(block: Block) -> str:
+  """A block that is not shell commands is known by its language and its first line."""
+  first = next((line for line in block.lines if line.strip()), '')
+  return f'{block.lang or "text"}: {" ".join(first.split())}'
+
+
+def readme_items() -> list[tuple[int, str]]:
+  """(line, key) of everything in README.md's code blocks that `TABLE` must account for."""
+  items = []
+  for block in readme_blocks():
+    if block.lang in SHELL:
+      items += block_commands(block)
+    else:
+      items.append((block.line, block_key(block)))
+  return items
+
+
+def readme_block(key: str) -> Block:
+  [block] = [b for b in readme_blocks() if b.lang not in SHELL and block_key(b) == key]
+  return block
+
+
+# ----------------------------------------------------------------------------- the table
+
+@dataclasses.dataclass(frozen=True)
+class How:
+  """Run by these tests of this module (none: not run here, and `note` says why)."""
+  tests: tuple[str, ...]
+  note: str = ''
+
+
+def run_by(*tests, note=''):
+  return How(tests, note)
+
+
+def not_run(why):
+  return How((), why)
+
+
+TINY_CHAIN = 'test_the_tiny_run_profiles_resumes_generates_and_exports'
+TRAIN_ALONE = 'test_train_command_runs_as_printed'
+HF_RECIPE = 'test_the_hugging_face_recipe_fine_tunes_and_exports'
+CHAT = 'test_chat_fine_tunes_a_hugging_face_checkpoint'
+GENERATE_HF = 'test_generate_from_a_hugging_face_checkpoint'
+PRETOKENIZE = 'test_pretokenize_then_train_on_the_shards'
+ERRORS = 'test_the_error_examples_are_what_their_configs_print'
+ANALYZE = 'test_analyze_and_tune_as_printed'
+
+INSTALL_AND_TRAIN = 'pip install -e ".[dev]" && python -m jaxllm.train --config configs/tiny.py'
+PROFILE = ('python -m jaxllm.train --config configs/tiny.py --config.profile.start_step=10 '
+           '--config.profile.steps=3')
+GENERATE = ("python -m jaxllm.generate --checkpoint runs/tiny/checkpoints --prompt 'def ' "
+            '--max_new_tokens 64 --greedy')
+GENERATE_FILE = ('python -m jaxllm.generate --checkpoint runs/tiny/checkpoints --prompt_file '
+                 'prompts.txt --max_new_tokens 64 --greedy --mesh fsdp=2,tensor=2')
+GENERATE_FROM_HF = ("python -m jaxllm.generate --hf /models/Llama-3.2-1B --prompt 'The mesh' "
+                    '--max_new_tokens 32 --temperature 0.8 --top_k 50 --top_p 0.9 --seed 1')
+EXPORT = ('python -m jaxllm.hf export --checkpoint runs/X/checkpoints[/STEP] --out DIR '
+          '[--dtype bfloat16] [--max-shard-gb 5]')
+PRETOKENIZE_CMD = 'python -m jaxllm.data.pretokenize --config configs/X.py --out DIR'
+TRAIN_ON_SHARDS = ("python -m jaxllm.train --config configs/X.py "
+                   "--config.data.path='DIR/train-*.arrayrecord'")
+CHAT_CMD = ('python -m jaxllm.train --config configs/X.py '
+            '--config.init_from=hf:/models/Llama-3.2-1B-Instruct --config.data.format=chat '
+            '--config.data.path=chats.jsonl --config.data.tokenizer=/models/Llama-3.2-1B-Instruct')
+RECIPE_BLOCK = 'python: from jaxllm import hf'
+CHAT_BLOCK = ('json: {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": '
+              '"user", "content": "What splits the batch?"}, {"role": "assistant", "content": '
+              '"data and fsdp."}]}')
+LOG_BLOCK = 'text: devices 8 × cpu mesh data=2 fsdp=2 pipe=1 tensor=2'
+ERROR_BLOCK = ('text: error: train.global_batch=6 is not divisible by data×fsdp×micro_batches = '
+               '4×1; make it a multiple of 4 or change train.micro_batches.')
+
+TABLE = {
+    # Set up and run
+    INSTALL_AND_TRAIN: run_by(TINY_CHAIN, note='the command after `&&` (the install is what CI '
+                              'does before the tests), after the profiled run of configs/tiny.py: '
+                              'it resumes, finds the steps done and stops, as the README says'),
+    'pip install -e ".[dev]" && pytest -n 2': not_run('the CI job itself, which runs this file'),
+    LOG_BLOCK: run_by(TINY_CHAIN, note="the tiny run's log: its lines before the first compile "
+                      'are printed as they stand by the tiny run'),
+    # Choosing the mesh and other settings
+    'python -m jaxllm.train --config configs/tiny.py --config.mesh.data=1 --config.mesh.fsdp=8 '
+    '--config.mesh.tensor=1':
+        run_by(TRAIN_ALONE),
+    'python -m jaxllm.train --config configs/tiny.py --config.mesh.tensor=4 --config.mesh.data=-1 '
+    '--config.mesh.fsdp=1': run_by(TRAIN_ALONE),
+    'python -m jaxllm.train --config configs/tiny.py --config.train.steps=1000 '
+    '--config.optim.lr=1e-3 --workdir runs/long': run_by(TRAIN_ALONE),
+    'tensorboard --logdir runs': not_run('starts a server; tests/test_cli.py reads the event '
+                                         "files back with TensorBoard's reader"),
+    # Data
+    PRETOKENIZE_CMD: run_by(PRETOKENIZE, note='configs/X.py: configs/tiny.py'),
+    TRAIN_ON_SHARDS: run_by(PRETOKENIZE, note='configs/X.py: configs/tiny.py'),
+    CHAT_CMD: run_by(CHAT, note='configs/X.py: a config with the tiny checkpoint\'s model section'),
+    CHAT_BLOCK: run_by(CHAT, note='is chats.jsonl'),
+    # Many hosts
+    'python -m jaxllm.train --config configs/llama3_8b.py '
+    '--config.distributed.coordinator_address=host0:1234 --config.distributed.num_processes=4 '
+    '--config.distributed.process_id=$RANK':
+        not_run('a launch over 4 hosts of GPUs; tests/test_distributed.py runs 2 processes on '
+                'localhost'),
+    # Profiling
+    PROFILE: run_by(TINY_CHAIN),
+    # Hugging Face checkpoints
+    RECIPE_BLOCK: run_by(HF_RECIPE),
+    EXPORT: run_by(TINY_CHAIN, HF_RECIPE, note='a syntax summary: its bracket-free form'),
+    # Generating text
+    GENERATE: run_by(TINY_CHAIN),
+    GENERATE_FROM_HF: run_by(GENERATE_HF),
+    GENERATE_FILE: run_by(TINY_CHAIN),
+    # Pipeline parallelism, ZeRO, more ways to split
+    'python -m jaxllm.train --config configs/tiny.py --config.mesh.pipe=2 --config.mesh.fsdp=1':
+        run_by(TRAIN_ALONE),
+    'python -m jaxllm.train --config configs/tiny.py --config.mesh.pipe=2 --config.mesh.fsdp=1 '
+    '--config.pipeline.schedule=circular --config.pipeline.repeats=2': run_by(TRAIN_ALONE),
+    'python -m jaxllm.train --config configs/tiny.py --config.sharding.zero=1':
+        run_by(TRAIN_ALONE),
+    'python -m jaxllm.train --config configs/tiny.py '
+    '"--config.sharding.rules.act_seq=(\'tensor\',)"': run_by(TRAIN_ALONE),
+    'python -m jaxllm.train --config configs/tiny.py "--config.sharding.rules.seq=(\'fsdp\',)" '
+    '"--config.sharding.rules.batch=(\'data\',)"': run_by(TRAIN_ALONE),
+    'python -m jaxllm.train --config configs/tiny.py --config.model.num_kv_heads=1':
+        run_by(TRAIN_ALONE),
+    # Batch vocabulary
+    ERROR_BLOCK: run_by(ERRORS, note='error messages: the configs that print them are run'),
+    # See before you launch
+    'python -m jaxllm.analyze --config configs/llama3_8b.py --config.mesh.fsdp=8': run_by(ANALYZE),
+    'python -m jaxllm.analyze --config configs/llama3_8b.py --devices 64 --config.mesh.data=2 '
+    '--config.mesh.fsdp=8 --config.mesh.tensor=4 --config.train.global_batch=64 '
+    '[--hardware h100-nvlink] [--compiler gpu|cpu] [--json] [--dump DIR]':
+        run_by(ANALYZE, note='a syntax summary: its bracket-free form'),
+    'python -m jaxllm.tune --config configs/tiny.py [--devices N] [--remat none,full] '
+    '[--micro-batches 1,2] [--measure 2]':
+        run_by(ANALYZE, note='a syntax summary: with --devices 1 --remat none --micro-batches 1 '
+               '(bracket-free it is 80 compiles, 9 CPU-minutes)'),
+    # Notebooks
+    'pip install -e ".[dev]" jupyterlab && jupyter lab notebooks/':
+        not_run('starts a server; tests/test_notebooks.py executes every notebook'),
+    # How it is built
+    'text: configs/ one file per model; get_config() returns a ConfigDict built on '
+    'config.default_config()': not_run("the repository's layout, not a command"),
+}
+
+
+def commands_of(test: str) -> list[str]:
+  return [key for key, how in TABLE.items() if test in how.tests and not key.startswith(
+      tuple(f'{lang}: ' for lang in ('python', 'json', 'text')))]
+
+
+def test_every_readme_code_block_is_in_the_table():
+  items = readme_items()
+  keys = {key for _, key in items}
+  missing = [f'README.md:{line}: {key}' for line, key in items if key not in TABLE]
+  assert not missing, ('code blocks of README.md that no test runs; run them in '
+                       'tests/test_readme.py and add them to TABLE:\n' + '\n'.join(missing))
+  stale = [key for key in TABLE if key not in keys]
+  assert not stale, f'TABLE names what README.md no longer prints: {stale}'
+  for key, how in TABLE.items():
+    assert how.tests or how.note, f'{key}: neither run nor said why not'
+    for test in how.tests:
+      assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
+
+
+# ----------------------------------------------------------------------------- running
+
+def bracket_free(text: str) -> str:
+  """A syntax summary without its optional `[...]` parts."""
+  return ' '.join(re.sub(r'\[[^\]]*\]', ' ', text).split())
+
+
+def readme_cwd(directory) -> str:
+  """A directory to run commands in, where `configs/` is the repository's."""
+  os.symlink(os.path.join(REPO, 'configs'), os.path.join(directory, 'configs'))
+  return str(directory)
+
+
+def run(argv: list[str], cwd, timeout=TIMEOUT) -> subprocess.CompletedProcess:
+  """Runs `python ...` in cwd with this interpreter; it must exit 0."""
+  assert argv[0] == 'python', argv
+  result = subprocess.run([sys.executable, *argv[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+  assert result.returncode == 0, (f'`{shlex.join(argv)}` in {cwd} exited {result.returncode}:\n'
+                                  f'{result.stdout[-1500:]}\n{result.stderr[-3000:]}')
+  return result
+
+
+def readme_argv(key: str, subs=(), shorten=(), needs=()) -> tuple[list[str], list[str]]:
+  """The README command `key` as it is run: its words as printed (after `&&` if it installs
+  first; without the `[...]` of a syntax summary), each placeholder of `subs` ((placeholder,
+  replacement), applied in order) replaced, then `needs` (what a user must add, said by the
+  caller) and `shorten` (only overrides of SHORTEN). Returns (the README's words, argv)."""
+  assert key in {k for _, k in readme_items()}, f'README.md no longer prints `{key}`'
+  assert key in TABLE
+  text = bracket_free(key)
+  if text.startswith('pip install ') and ' && ' in text:
+    text = text.split(' && ', 1)[1]  # the install is CI's job
+  words = shlex.split(text)
+  for placeholder, value in subs:
+    words = [w.replace(placeholder, str(value)) for w in words]
+  assert all(flag.startswith(SHORTEN) for flag in shorten), shorten
+  argv = [*words, *needs, *shorten]
+  assert shlex.join(argv).startswith(shlex.join(words))  # the README's text leads
+  return words, argv
+
+
+def run_readme(key, cwd, subs=(), shorten=(), needs=()) -> subprocess.CompletedProcess:
+  _, argv = readme_argv(key, subs, shorten, needs)
+  return run(argv, cwd)
+
+
+def metric_rows(workdir) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def assert_trained(workdir, steps):
+  rows = [r for r in metric_rows(workdir) if 'loss' in r]
+  assert rows and rows[-1]['step'] == steps and math.isfinite(rows[-1]['loss']), rows
+
+
+def config_value(text: str):
+  try:
+    value = literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+  return list(value) if isinstance(value, tuple) else value
+
+
+def assert_overrides_in_config_json(words, workdir, shortened):
+  """Each `--config.a.b=v` of the README's command is in the run's config.json (fields we
+  shortened, and -1, "the rest", aside)."""
+  with open(os.path.join(workdir, 'config.json')) as f:
+    saved = json.load(f)
+  for word in words:
+    if not word.startswith('--config.') or '=' not in word:
+      continue
+    path, value = word[len('--config.'):].split('=', 1)
+    if any(s.startswith(f'--config.{path}=') for s in shortened) or value == '-1':
+      continue
+    node = saved
+    for part in path.split('.'):
+      node = node[part]
+    assert node == config_value(value), (path, node, value)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope='module')
+def hf_checkpoint(tmp_path_factory, tokenizer_dir):  # noqa: F811
+  """/models/Llama-3.2-1B(-Instruct) here: a tiny random LlamaForCausalLM saved in bfloat16 by
+  transformers, as Llamas are released, with a tokenizer.json and a tokenizer_config.json that
+  holds a chat template (test_chat's), its vocabulary the tokenizer's."""
+  from tokenizers import Tokenizer
+  root = tmp_path_factory.mktemp('hf_llama')
+  tokenizer = Tokenizer.from_file(str(tokenizer_dir / 'tokenizer.json'))
+  model = save_hf_model(root, dtype=torch.bfloat16)
+  model.resize_token_embeddings(tokenizer.get_vocab_size(), mean_resizing=False)
+  config = json.loads((tokenizer_dir / 'tokenizer_config.json').read_text())
+  for holder in (model.config, model.generation_config):
+    holder.bos_token_id = tokenizer.token_to_id(config['bos_token'])
+    holder.eos_token_id = tokenizer.token_to_id(config['eos_token'])
+  model.save_pretrained(root)
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    (root / name).write_text((tokenizer_dir / name).read_text())
+  assert json.loads((root / 'config.json').read_text())['vocab_size'] == tokenizer.get_vocab_size()
+  return root
+
+
+@pytest.fixture(scope='module')
+def tiny_run(tmp_path_factory):
+  """The README's profiled run of configs/tiny.py, shortened to TINY_STEPS, in a directory of
+  its own: (that directory, the run's result). Its runs/tiny/checkpoints is what the README's
+  generate and export commands read."""
+  cwd = readme_cwd(tmp_path_factory.mktemp('readme_tiny'))
+  return cwd, run_readme(PROFILE, cwd, shorten=steps(TINY_STEPS))
+
+
+# ----------------------------------------------------------------------------- checks
+
+def restored_params(checkpoints):
+  """The model section and the parameters of a run's newest checkpoint, on one device."""
+  from jaxllm.checkpoint import params_target, restore_params, saved_config
+  cfg = saved_config(str(checkpoints), 'checkpoints')
+  mesh = mesh_of()
+  target = params_target(cfg.model, mesh, cfg.sharding.rules)
+  return cfg.model, restore_params(str(checkpoints), target, cfg.model, 'checkpoints')
+
+
+def assert_export_is_the_checkpoint(checkpoints, out, dtype: str):
+  """The export holds the checkpoint's parameters in `dtype`, tensor by tensor under the same
+  names, and transformers' LlamaForCausalLM reads it (no tensor missing or left over) and
+  computes jaxllm's logits from them."""
+  from jaxllm import hf
+  model_cfg, params = restored_params(checkpoints)
+  config = json.loads((out / 'config.json').read_text())
+  assert config['torch_dtype'] == dtype and config['architectures'] == ['LlamaForCausalLM']
+  stored = jax.tree.map(lambda p: np.asarray(jnp.asarray(p).astype(dtype)), params)
+  _, exported = hf.load(str(out), mesh_of(), RULES)
+  for got, want in paired_leaves(exported, stored):
+    assert got.dtype == want.dtype == np.dtype(jnp.dtype(dtype))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+  reference, info = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                     output_loading_info=True)
+  assert not any(info.values()), info
+  fp32 = ConfigDict(model_cfg)
+  fp32.update(dtype='float32', attention='xla')
+  tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (2, 16))
+  np.testing.assert_allclose(
+      our_logits(fp32, jax.tree.map(lambda p: p.astype(np.float32), stored), mesh_of(), tokens),
+      hf_logits(reference.eval(), tokens), atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- tests
+
+def test_the_tiny_run_profiles_resumes_generates_and_exports(tiny_run, tmp_path):
+  """In order, in one directory: the profiled tiny run, the README's first command (which
+  finds the run done), generating from its checkpoints, exporting them to Hugging Face."""
+  cwd, result = tiny_run
+  workdir = os.path.join(cwd, 'runs', 'tiny')
+  # The profiled run: the README's sentence about it, its files, a checkpoint, metrics.
+  assert 'profile  steps 10–12 traced into runs/tiny/profile' in result.stdout
+  [trace] = glob.glob(os.path.join(workdir, 'profile', 'plugins', 'profile', '*'))
+  assert glob.glob(os.path.join(trace, 'perfetto_trace.json.gz'))
+  assert glob.glob(os.path.join(trace, '*.xplane.pb'))
+  assert_trained(workdir, TINY_STEPS)
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == [str(TINY_STEPS)]
+  # The README's log of the tiny run: its lines before the first compile, word for word.
+  log = readme_block(LOG_BLOCK).lines
+  header = log[:next(i for i, line in enumerate(log) if line.startswith('compiled '))]
+  printed = result.stdout.splitlines()
+  assert [line for line in header if line not in printed] == []
+
+  # "Run the command again and it resumes from runs/tiny/checkpoints, finds step 300 reached
+  # and stops" (here TINY_STEPS).
+  again = run_readme(INSTALL_AND_TRAIN, cwd, shorten=steps(TINY_STEPS))
+  assert f'resumed from the checkpoint of step {TINY_STEPS}' in again.stdout
+  assert (f'nothing to do: the state is at step {TINY_STEPS} of train.steps={TINY_STEPS}'
+          in again.stdout)
+
+  generated = run_readme(GENERATE, cwd).stdout
+  assert generated.startswith('def ') and len(generated) > len('def \n'), generated
+  prompts = ['def ', 'class Mesh:', '    return']
+  with open(os.path.join(cwd, 'prompts.txt'), 'w') as f:
+    f.write('\n'.join(prompts) + '\n')
+  sections = run_readme(GENERATE_FILE, cwd).stdout.split('--- prompt ')[1:]
+  assert [s.split('\n', 1)[0] for s in sections] == ['1 of 3', '2 of 3', '3 of 3']
+  assert [s.split('\n', 1)[1][:len(p)] for s, p in zip(sections, prompts)] == prompts
+
+  run_readme(EXPORT, cwd, subs=[('runs/X/', 'runs/tiny/'), ('DIR', tmp_path / 'tiny_hf')])
+  assert_export_is_the_checkpoint(os.path.join(workdir, 'checkpoints'), tmp_path / 'tiny_hf',
+                                  'float32')
+
+
+@pytest.mark.parametrize('key', commands_of(TRAIN_ALONE))
+def test_train_command_runs_as_printed(key, tmp_path):
+  """Each in a directory of its own, one step, no checkpoint."""
+  cwd = readme_cwd(tmp_path)
+  shorten = [*steps(1), '--config.checkpoint.every=0']
+  words, argv = readme_argv(key, shorten=shorten)
+  result = run(argv, cwd)
+  workdir = os.path.join(cwd, words[words.index('--workdir') + 1] if '--workdir' in words
+                         else os.path.join('runs', 'tiny'))
+  assert 'compiled the train step' in result.stdout
+  assert_trained(workdir, 1)
+  assert_overrides_in_config_json(words, workdir, shorten)
+
+
+def recipe_config(directory, checkpoint) -> str:
+  """The README's config for a Hugging Face checkpoint, as printed but for the checkpoint's
+  path, written to a file in `directory`; its name."""
+  text = '\n'.join(readme_block(RECIPE_BLOCK).lines) + '\n'
+  assert "'/models/Llama-3.2-1B'" in text
+  with open(os.path.join(directory, 'hf_recipe.py'), 'w') as f:
+    f.write(text.replace('/models/Llama-3.2-1B', str(checkpoint)))
+  return 'hf_recipe.py'
+
+
+@pytest.mark.parametrize('devices', [[], ['--config.cpu_devices=8']], ids=['default', 'cpu8'])
+def test_the_hugging_face_recipe_fine_tunes_and_exports(devices, hf_checkpoint, corpus, tmp_path):
+  """`python -m jaxllm.train --config hf_recipe.py` with the data path a user must give, two
+  steps (and once on 8 simulated devices); then the README's export of its checkpoints, which
+  transformers loads."""
+  cwd = tmp_path
+  readme_cwd(cwd)
+  config = recipe_config(cwd, hf_checkpoint)
+  result = run(['python', '-m', 'jaxllm.train', '--config', config, f'--config.data.path={corpus}',
+                *steps(2), *devices], cwd)
+  workdir = cwd / 'runs' / 'hf_recipe'
+  assert f'devices  {8 if devices else 1} × cpu' in result.stdout
+  assert f'parameters from hf:{hf_checkpoint}, fresh optimizer state' in result.stdout
+  assert_trained(workdir, 2)
+  saved = json.loads((workdir / 'config.json').read_text())
+  assert (saved['model']['dtype'], saved['model']['param_dtype']) == ('bfloat16', 'float32')
+
+  run_readme(EXPORT, cwd, subs=[('runs/X/', 'runs/hf_recipe/'), ('DIR', 'exported')])
+  assert_export_is_the_checkpoint(workdir / 'checkpoints', cwd / 'exported', 'bfloat16')
+
+
+def test_chat_fine_tunes_a_hugging_face_checkpoint(hf_checkpoint, tmp_path):
+  """The README's conversation is chats.jsonl; configs/X.py is a config holding the
+  checkpoint's model section (what `hf.model_config` reads from it)."""
+  from jaxllm import hf
+  cwd = readme_cwd(tmp_path)
+  lines = [line for line in readme_block(CHAT_BLOCK).lines if line.strip()]
+  assert all('messages' in json.loads(line) for line in lines)
+  (tmp_path / 'chats.jsonl').write_text('\n'.join(lines) + '\n')
+  (tmp_path / 'chat_model.py').write_text(
+      'from ml_collections import ConfigDict\n'
+      'from jaxllm.config import default_config\n\n\n'
+      'def get_config():\n'
+      '  c = default_config()\n'
+      f'  c.model = ConfigDict({hf.model_config(str(hf_checkpoint)).to_dict()!r})\n'
+      '  return c\n')
+  words, argv = readme_argv(CHAT_CMD, subs=[('configs/X.py', 'chat_model.py'),
+                                            ('/models/Llama-3.2-1B-Instruct', hf_checkpoint)],
+                            shorten=steps(2))
+  result = run(argv, cwd)
+  assert f'parameters from hf:{hf_checkpoint}, fresh optimizer state' in result.stdout
+  workdir = tmp_path / 'runs' / 'chat_model'
+  assert_trained(workdir, 2)
+  assert_overrides_in_config_json(words, workdir, steps(2))
+  assert os.listdir(workdir / 'checkpoints') == ['2']
+
+
+def test_generate_from_a_hugging_face_checkpoint(hf_checkpoint, tmp_path):
+  cwd = readme_cwd(tmp_path)
+  out = run_readme(GENERATE_FROM_HF, cwd, subs=[('/models/Llama-3.2-1B', hf_checkpoint)]).stdout
+  assert out.startswith('The mesh'), out
+
+
+def test_pretokenize_then_train_on_the_shards(tmp_path):
+  """configs/X.py is configs/tiny.py; its training run is the tiny run's program (same steps)."""
+  cwd = readme_cwd(tmp_path)
+  subs = [('configs/X.py', 'configs/tiny.py'), ('DIR', 'shards')]
+  printed = run_readme(PRETOKENIZE_CMD, cwd, subs=subs).stdout
+  assert "train on them with --config.data.path='shards/train-*.arrayrecord'" in printed
+  assert os.path.isfile(tmp_path / 'shards' / 'train-00000.arrayrecord')
+  shorten = [*steps(TINY_STEPS), '--config.checkpoint.every=0']
+  words, argv = readme_argv(TRAIN_ON_SHARDS, subs=subs, shorten=shorten)
+  run(argv, cwd)
+  assert_trained(tmp_path / 'runs' / 'tiny', TINY_STEPS)
+  assert_overrides_in_config_json(words, tmp_path / 'runs' / 'tiny', shorten)
+
+
+# The README's error examples: each line, and the overrides of configs/tiny.py that print it.
+ERROR_CONFIGS = {
+    'error: train.global_batch=6 ': ['--config.train.global_batch=6'],
+    'error: model.num_kv_heads=3 ': ['--config.model.num_kv_heads=3', '--config.model.num_heads=6'],
+}
+
+
+@pytest.mark.parametrize('start', ERROR_CONFIGS)
+def test_the_error_examples_are_what_their_configs_print(start, tmp_path):
+  [line] = [line for line in readme_block(ERROR_BLOCK).lines if line.startswith(start)]
+  assert len([line for line in readme_block(ERROR_BLOCK).lines if line.strip()]) == len(
+      ERROR_CONFIGS), 'an error example without a config that prints it'
+  argv = ['python', '-m', 'jaxllm.train', '--config', 'configs/tiny.py', *ERROR_CONFIGS[start]]
+  result = subprocess.run([sys.executable, *argv[1:]], cwd=readme_cwd(tmp_path),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [line], result.stderr[-2000:]
+
+
+# tune's syntax summary with none of its options tries every mesh of 8 devices with both
+# remat policies and both micro-batch counts: 80 compiles, about 9 minutes of CPU. Its options,
+# as the summary shows them, cut it to one compile: 1 device, one policy, one count.
+TUNE_OPTIONS = ['--devices', '1', '--remat', 'none', '--micro-batches', '1']
+
+
+@pytest.mark.parametrize('key', commands_of(ANALYZE))
+def test_analyze_and_tune_as_printed(key, tmp_path):
+  if 'jaxllm.tune' in key:
+    for flag in TUNE_OPTIONS[::2]:
+      assert f'[{flag} ' in key, f'{flag} is not an option tune\'s summary shows'
+    out = run_readme(key, readme_cwd(tmp_path), needs=TUNE_OPTIONS).stdout
+    fit = re.search(r'^(\d+) candidates fit h100-nvlink', out, re.M)
+    assert fit and int(fit[1]) >= 1, out
+    assert len(re.findall(r'^ +\d+ +\d+ +\d+ +\d+ +\d+  none +1  ', out, re.M)) == int(fit[1]), out
+    return
+  out = run_readme(key, readme_cwd(tmp_path)).stdout
+  devices = 64 if '--devices 64' in key else 8
+  assert f"XLA's program for {devices} × NVIDIA H100 80GB HBM3" in out
+  assert re.search(r'^  peak .* fits the 59.74 GiB', out, re.M), out
