@@ -36,13 +36,13 @@ from jaxllm import metrics
 from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import ConfigError, TrainingError
-from jaxllm.validate import resolve_mesh, validate
 from jaxllm.cost import report
 from jaxllm.cost.compile import compile_step
 from jaxllm.model import with_available_attention
 from jaxllm.model.remat import REMAT
 from jaxllm.optim import make_optimizer
 from jaxllm.train import setup
+from jaxllm.validate import resolve_mesh, validate
 
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps run after compiling.')

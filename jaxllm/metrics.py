@@ -77,7 +77,7 @@ class WeightsAndBiases:
   """A Weights & Biases run in `project`, named after the workdir, with the config."""
 
   def __init__(self, project: str, workdir: str, config: ConfigDict):
-    import wandb  # config.validate has checked it is installed
+    import wandb  # jaxllm.validate has checked it is installed
     try:
       self._run = wandb.init(project=project, name=os.path.basename(os.path.abspath(workdir)),
                              config=config.to_dict(), dir=workdir)

@@ -22,18 +22,18 @@ from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from jaxllm import distributed, hf, metrics
-from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.backends import counting_cache_hits, start_backends, use_compilation_cache
+from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import TrainingError
-from jaxllm.validate import resolve_mesh, validate
 from jaxllm.data import Streams, make_batches, make_eval_batches
-from jaxllm.parallel.mesh import host_split, hosts, make_mesh, sharding_context
-from jaxllm.parallel.rules import Layout, derive, mesh_axes
 from jaxllm.model import with_available_attention
 from jaxllm.optim import make_optimizer
+from jaxllm.parallel.mesh import host_split, hosts, make_mesh, sharding_context
 from jaxllm.parallel.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
+from jaxllm.parallel.rules import Layout, derive, mesh_axes
 from jaxllm.step import TrainState, init_state, loss_terms, state_shapes, train_step_for
+from jaxllm.validate import resolve_mesh, validate
 
 
 @dataclasses.dataclass

@@ -19,8 +19,8 @@ from conftest import REPO, run_cli, small_config
 from jaxllm import train
 from jaxllm.cli import load_config, parse_command_line
 from jaxllm.config import ConfigError
-from jaxllm.validate import validate
 from jaxllm.metrics import MetricsLog
+from jaxllm.validate import validate
 
 
 TINY_RUN = ['--config', 'configs/tiny.py', '--config.train.steps=60', '--config.train.log_every=20',
@@ -338,6 +338,11 @@ BAD_NUMBERS = [
       'optim.decay_steps': 5}, 'optim.warmup_steps=6 + optim.decay_steps=5 > train.steps=10'),
     ({'train.steps': 10, 'optim.schedule': 'wsd', 'optim.decay_steps': 11},
      'optim.warmup_steps=0 + optim.decay_steps=11 > train.steps=10'),
+    # a warmup longer than the run never reaches the peak lr, whatever the schedule
+    ({'train.steps': 10, 'optim.warmup_steps': 11},
+     'optim.warmup_steps=11 is longer than the run (train.steps=10)'),
+    ({'train.steps': 10, 'optim.schedule': 'constant', 'optim.warmup_steps': 20},
+     'optim.warmup_steps=20 is longer than the run (train.steps=10)'),
 ]
 ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)
 
@@ -376,6 +381,7 @@ def test_numbers_at_the_edge_of_their_range_are_valid():
   for warmup, decay in ((8, 0), (5, 5), (0, 10)):  # wsd's warmup ends where its decay begins
     validate(with_fields({'train.steps': 10, 'optim.schedule': 'wsd',
                           'optim.warmup_steps': warmup, 'optim.decay_steps': decay}), ONE_DEVICE)
+  validate(with_fields({'train.steps': 10, 'optim.warmup_steps': 10}), ONE_DEVICE)  # ends at peak
 
 
 def test_a_second_command_line_in_one_process_starts_from_the_config(monkeypatch):

@@ -13,14 +13,14 @@ import pytest
 from conftest import REPO
 from jaxllm import backends
 from jaxllm.cli import load_config
-from jaxllm.validate import resolve_mesh
 from jaxllm.cost import hlo
 from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES
-from jaxllm.parallel.mesh import make_mesh
 from jaxllm.metrics import param_counts
 from jaxllm.optim import make_optimizer
+from jaxllm.parallel.mesh import make_mesh
 from jaxllm.step import state_shapes
+from jaxllm.validate import resolve_mesh
 
 # Parameter counts of the released checkpoints.
 PUBLISHED = {

@@ -14,8 +14,8 @@ from conftest import run_cli, small_config
 from jaxllm.config import ConfigError, default_config
 from jaxllm.decode import Sampling, generate, sample_next
 from jaxllm.generate import main
-from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.model import KVCache, Transformer, sequence_positions
+from jaxllm.parallel.mesh import make_mesh, sharding_context
 
 RULES = default_config().sharding.rules
 ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)

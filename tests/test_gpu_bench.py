@@ -40,10 +40,10 @@ import pytest
 
 from conftest import REPO, assert_params_close, small_config
 from jaxllm.cli import load_config
-from jaxllm.parallel.mesh import sharding_context
 from jaxllm.model.layers import rope_frequencies
 from jaxllm.model.remat import REMAT
 from jaxllm.optim import make_optimizer
+from jaxllm.parallel.mesh import sharding_context
 from jaxllm.train import setup
 
 

@@ -16,11 +16,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import paired_leaves, small_config
 from jaxllm import hf
-from jaxllm.hf.__main__ import main as hf_command
 from jaxllm.config import ConfigError, default_config
 from jaxllm.data.loader import synthetic_batch
-from jaxllm.parallel.mesh import make_mesh, sharding_context
+from jaxllm.hf.__main__ import main as hf_command
 from jaxllm.model import Transformer
+from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.train import setup, train
 
 RULES = default_config().sharding.rules

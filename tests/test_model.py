@@ -9,16 +9,16 @@ import pytest
 from flax import nnx
 
 from conftest import assert_params_close, paired_leaves, small_config
-from jaxllm.validate import resolve_mesh
-from jaxllm.parallel.mesh import make_mesh, sharding_context
-from jaxllm.metrics import param_counts
 from jaxllm.config import default_config
+from jaxllm.metrics import param_counts
 from jaxllm.model import Transformer
 from jaxllm.model.attention import Attention, document_spans, sharded_attention
 from jaxllm.model.embedding import sharded_lookup
 from jaxllm.model.layers import project, rope_frequencies
 from jaxllm.model.loss import chunked_loss_sum
+from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.step import loss_terms
+from jaxllm.validate import resolve_mesh
 
 
 def numpy_rope(x, positions, inv_freq):

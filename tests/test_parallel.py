@@ -9,13 +9,13 @@ import pytest
 
 from conftest import (assert_params_close, leaf_paths, paired_leaves, small_config,
                       step_gradients, text_config)
-from jaxllm.cost import hlo
 from jaxllm.config import ConfigError
-from jaxllm.validate import resolve_mesh
+from jaxllm.cost import hlo
 from jaxllm.data import make_batches
 from jaxllm.data.sources import resolve_files
 from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.train import setup, train
+from jaxllm.validate import resolve_mesh
 
 SEQUENCE_PARALLEL = dict(act_seq=('tensor',))
 CONTEXT_PARALLEL = dict(batch=('data',), seq=('fsdp',))

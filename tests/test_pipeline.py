@@ -10,11 +10,11 @@ from flax import nnx
 
 from conftest import (assert_params_close, paired_leaves, small_config, step_gradients,
                       text_config)
-from jaxllm.validate import resolve_mesh
-from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.model import Transformer
+from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.parallel.pipeline import PipelineSpec, pipeline_layers, to_stage_order
 from jaxllm.train import setup, train
+from jaxllm.validate import resolve_mesh
 
 LAYERS = 8
 

@@ -15,14 +15,14 @@ from ml_collections import ConfigDict
 from jaxllm.backends import lowering_for
 from jaxllm.checkpoint import restore_target
 from jaxllm.config import ConfigError
-from jaxllm.validate import resolve_mesh, validate
 from jaxllm.model import with_available_attention
 from jaxllm.optim import make_optimizer
 from jaxllm.parallel.mesh import batch_sharding, make_mesh, sharding_context
-from jaxllm.parallel.zero import over_data
 from jaxllm.parallel.pipeline import PipelineSpec, pipeline_spec
 from jaxllm.parallel.rules import Layout, derive, mesh_axes
+from jaxllm.parallel.zero import over_data
 from jaxllm.step import state_shapes, train_step_for
+from jaxllm.validate import resolve_mesh, validate
 
 # The program is compiled to be read, never run: skip the backend's code optimisation, which
 # leaves the HLO (collectives, memory, FLOPs) as it is and takes ~40% of the compile time.

@@ -14,7 +14,6 @@ from ml_collections import ConfigDict
 from jaxllm.backends import is_compile_only
 from jaxllm.checkpoint import restore_target
 from jaxllm.config import MESH_AXES, ConfigError
-from jaxllm.validate import validate
 from jaxllm.cost.compile import shard_bytes
 from jaxllm.cost.hardware import Hardware, usable_memory
 from jaxllm.cost.report import analyze, program_text, seconds_text, size_text
@@ -23,6 +22,7 @@ from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.parallel.pipeline import pipeline_spec
 from jaxllm.parallel.rules import derive
 from jaxllm.step import state_shapes
+from jaxllm.validate import validate
 
 
 def factorisations(n: int, parts: int) -> list[tuple[int, ...]]:

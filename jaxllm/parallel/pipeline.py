@@ -24,10 +24,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import pipeline_shape
-from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
-from jaxllm.parallel.rules import mesh_axes
 from jaxllm.model.remat import stack_policy
 from jaxllm.model.transformer import scan_blocks
+from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
+from jaxllm.parallel.rules import mesh_axes
 
 
 @dataclasses.dataclass(frozen=True)
