@@ -93,8 +93,8 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
                                  checkpoints, batches)
   step = train_step_for(cfg, graphdef, tx, pipeline)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
-  return Run(cfg, mesh, layout, graphdef, state, origin, train_step, batches, eval_batches, pipeline,
-             checkpoints)
+  return Run(cfg, mesh, layout, graphdef, state, origin, train_step, batches, eval_batches,
+             pipeline, checkpoints)
 
 
 def _initial_state(cfg: ConfigDict, mesh, layout: Layout, tx, pipeline: PipelineSpec | None,

@@ -157,7 +157,7 @@ def test_init_from_hf_trains_from_its_weights_and_exports_the_result(tmp_path):
 
   # The checkpoint of step 2, exported by the command line, holds the trained parameters.
   hf_command(['jaxllm.hf', 'export', '--checkpoint', str(run_dir / 'checkpoints'),
-           '--out', str(out_dir)])
+              '--out', str(out_dir)])
   _, exported = hf.load(str(out_dir), mesh_of(), RULES)
   for a, b in paired_leaves(exported, state.params):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -240,7 +240,7 @@ def test_a_bf16_checkpoint_fine_tunes_with_fp32_master_weights(devices, tmp_path
   for dtype, flag in ((torch.bfloat16, []), (torch.float32, ['--dtype', 'float32'])):
     out = tmp_path / f'out-{dtype}'
     hf_command(['jaxllm.hf', 'export', '--checkpoint', str(tmp_path / 'run' / 'checkpoints'),
-             '--out', str(out), *flag])
+                '--out', str(out), *flag])
     assert json.loads((out / 'config.json').read_text())['torch_dtype'] == str(dtype)[6:]
     exported = LlamaForCausalLM.from_pretrained(out, dtype=dtype)
     weight = exported.model.layers[0].mlp.down_proj.weight.detach()
@@ -301,5 +301,5 @@ def test_bad_checkpoint_is_a_one_line_config_error(problem, tmp_path):
 def test_export_needs_a_positive_shard_size(size, tmp_path):
   with pytest.raises(ConfigError, match=rf'--max-shard-gb={size}.* must be a positive number'):
     hf_command(['hf', 'export', '--checkpoint', str(tmp_path / 'run'), '--out',
-             str(tmp_path / 'out'), '--max-shard-gb', size])
+                str(tmp_path / 'out'), '--max-shard-gb', size])
   assert not (tmp_path / 'out').exists()

@@ -1,4 +1,5 @@
-"""What each remat policy (model.remat) keeps of a layer for its backward; the rest is recomputed."""
+"""What each remat policy (model.remat) keeps of a layer for its backward; the rest is
+recomputed."""
 
 from __future__ import annotations
 
