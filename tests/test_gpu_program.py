@@ -548,3 +548,22 @@ def test_context_and_sequence_parallelism_together_move_what_each_does_alone(tin
   assert both_bytes[('tensor',)] == pytest.approx(
       bytes_over(tiny_split(**SEQUENCE_PARALLEL))[('tensor',)], rel=0.02)
   assert both_bytes[('fsdp', 'tensor')] < 0.01 * both_bytes[('fsdp',)]
+
+
+@pytest.mark.parametrize('options', [{}, {'xla_gpu_enable_triton_gemm': False}],
+                         ids=['default', 'triton_gemm_off'])
+def test_cublas_gemms_count_their_flops(options, h100s):
+  """GEMMs XLA hands to cuBLAS (`__cublas$lt$matmul` custom calls, as with
+  --xla_gpu_enable_triton_gemm=false, which NVIDIA's and MaxText's GPU flags set) count
+  2·M·N·K FLOPs each, batch dimensions included, as `dot`s do."""
+  import jax
+  import jax.numpy as jnp
+  device = jax.sharding.SingleDeviceSharding(h100s[0])
+  arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=device)
+  matmuls = lambda x, w, a, b: (x @ w, jnp.einsum('bij,bjk->bik', a, b))
+  text = jax.jit(matmuls).lower(arg(256, 512), arg(512, 384), arg(4, 128, 256),
+                                arg(4, 256, 64)).compile(options).as_text()
+  # Without Triton GEMMs every product is a cuBLAS call; with them, Triton fusions of `dot`s
+  # (split-K among them). The FLOPs are the same either way.
+  assert ('__cublas$lt$matmul' in text) == (options != {})
+  assert hlo.dot_flops(text) == 2 * 256 * 512 * 384 + 2 * 4 * 128 * 256 * 64

@@ -366,20 +366,38 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list
   return found
 
 
+# A GEMM that XLA hands to cuBLAS (where autotuning prefers it to a Triton fusion, always with
+# --xla_gpu_enable_triton_gemm=false; FP8 GEMMs too) is a custom call whose first output is the
+# product and whose backend config carries the dot's dimension numbers.
+CUBLAS_TARGET = re.compile(r'custom_call_target="__cublas\$')
+CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+DOT_CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
+
+
+def _contracting(inst: Instruction) -> list[int] | None:
+  """The lhs contracting dimensions of a `dot` or of a cuBLAS GEMM call; None for other ops."""
+  if inst.opcode == 'dot':
+    found = DOT_CONTRACTING.search(inst.attrs)
+  elif inst.opcode == 'custom-call' and CUBLAS_TARGET.search(inst.attrs):
+    found = CUBLAS_CONTRACTING.search(inst.attrs)
+  else:
+    return None
+  return None if found is None else [int(d) for d in re.findall(r'\d+', found.group(1))]
+
+
 def _dots(hlo_text: str):
-  """(computation, instruction, FLOPs per execution of the program) of every matrix multiply
-  (2 FLOPs per multiply-add), loops multiplied through."""
+  """(computation, instruction, FLOPs per execution of the program) of every matrix multiply,
+  XLA's `dot`s and cuBLAS calls alike (2 FLOPs per multiply-add), loops multiplied through."""
   computations, counts = _program(hlo_text)
   for comp, insts in computations.items():
     for inst in insts.values() if counts.get(comp) else ():
-      if inst.opcode != 'dot':
-        continue
-      lhs = insts.get(inst.operands[0])
-      contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', inst.attrs)
-      if lhs is None or contracting is None:
+      contracting = _contracting(inst)
+      lhs = insts.get(inst.operands[0]) if inst.operands else None
+      if contracting is None or lhs is None:
         continue
       dims = arrays(lhs.shape)[0][1]
-      k = math.prod(dims[int(d)] for d in contracting.group(1).split(',') if d)
+      k = math.prod(dims[d] for d in contracting)
+      # A cuBLAS call returns (product, workspace): the product is the first array.
       yield comp, inst, counts[comp] * 2 * math.prod(arrays(inst.shape)[0][1]) * k
 
 
