@@ -24,7 +24,6 @@ import jax
 from ml_collections import ConfigDict
 
 from jaxllm.config import ConfigError
-
 from jaxllm.validate import validate_distributed
 
 # Keys: _LIVE/<process>/beat, a counter that goes up while the process lives, and
