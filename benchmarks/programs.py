@@ -15,7 +15,6 @@ fewer than mesh.tensor are replicated over it in every split.)
 """
 
 import collections
-import copy
 import math
 import sys
 
@@ -27,37 +26,22 @@ from jaxllm import analyze, metrics
 from jaxllm.backends import gpu_devices, start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import MESH_AXES, ConfigError
-from jaxllm.cost import report
+from jaxllm.cost import report, tune
 from jaxllm.cost.hardware import hardware_profile
 
 # --devices, --hardware and --device-memory are analyze's.
 _MESH = flags.DEFINE_multi_string('mesh', [], 'A mesh, e.g. data=8,fsdp=8 (axes not named: 1).')
 _COMPILERS = flags.DEFINE_list('compilers', ['gpu', 'cpu'], 'Whose programs: gpu, cpu.')
 
-SEQUENCE_PARALLEL = {'sharding.rules.act_seq': ('tensor',)}
-CONTEXT_PARALLEL = {'sharding.rules.batch': ('data',), 'sharding.rules.seq': ('fsdp',)}
-SPLITS = {  # name: (what the row says, the config fields it sets)
-    'none': ('', {}),
-    'zero1': ('ZeRO-1', {'sharding.zero': 1}),
-    'zero2': ('ZeRO-2', {'sharding.zero': 2}),
-    'sp': ('sequence parallel (tensor)', SEQUENCE_PARALLEL),
-    'cp': ('context parallel (fsdp)', CONTEXT_PARALLEL),
-    'cp_sp': ('context (fsdp) + sequence (tensor) parallel',
-              {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
-}
+SPLITS = {**tune.SPLITS,  # name: (what the row says, the config fields it sets)
+          'zero1': ('ZeRO-1', {'sharding.zero': 1}), 'zero2': ('ZeRO-2', {'sharding.zero': 2})}
 _SPLITS = flags.DEFINE_list('splits', ['none'], f'Which splits of each mesh: {", ".join(SPLITS)}.')
 
 
 def with_split(cfg: ConfigDict, mesh: dict[str, int], split: str) -> ConfigDict:
   """`cfg` on `mesh`, with the fields of SPLITS[split] set."""
-  cfg = copy.deepcopy(cfg)
+  cfg = tune.with_fields(cfg, SPLITS[split][1])
   cfg.mesh.update(mesh)
-  for path, value in SPLITS[split][1].items():
-    *sections, name = path.split('.')
-    node = cfg
-    for section in sections:
-      node = node[section]
-    node[name] = value
   return cfg
 
 

@@ -1,4 +1,5 @@
 """`python -m jaxllm.analyze --config configs/X.py [--devices N] [--hardware h100-nvlink]`
+`python -m jaxllm.analyze --hlo FILE --devices N [--hardware h100-nvlink] [--devices-per-node 8]`
 
 Compiles the train step ahead of time from shapes alone, nothing allocated, and reports per
 device: memory by kind and whether it fits what a process may use of the device; model FLOPs
@@ -26,7 +27,8 @@ from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import MESH_AXES, ConfigError
 from jaxllm.cost.compile import Compiled, compile_step
 from jaxllm.cost.hardware import PROFILES, hardware_profile
-from jaxllm.cost.report import format_report, report
+from jaxllm.cost.report import (format_program_report, format_report, program_report,
+                                 report)
 
 DEVICES = flags.DEFINE_integer(
     'devices', 0, 'Analyse for this many devices (default: the mesh\'s size when no axis is -1, '
@@ -41,6 +43,12 @@ COMPILER = flags.DEFINE_enum(
 _JSON = flags.DEFINE_bool('json', False, 'Print the report as JSON.')
 _DUMP = flags.DEFINE_string('dump', '', 'Write the compiled program (HLO text) and the report '
                             'into this new directory.')
+_HLO = flags.DEFINE_string(
+    'hlo', '', 'Predict this optimized GPU HLO text instead of compiling a config: any JAX '
+    'program\'s, e.g. a *after_optimizations.txt file of XLA_FLAGS=--xla_dump_to=DIR; needs '
+    '--devices.')
+_PER_NODE = flags.DEFINE_integer('devices-per-node', 0, 'With --hlo: devices are numbered this '
+                                 'many to a node (default: the profile\'s, 8).')
 
 
 def parse_and_place(argv: list[str]):
@@ -90,7 +98,42 @@ def write_dump(directory: str, c: Compiled, r: dict) -> None:
       f.write(text)
 
 
+def read_hlo_flags(argv: list[str]) -> tuple[str, object, int, int]:
+  """--hlo FILE and the flags that go with it: (text, hardware, devices, devices per node)."""
+  if any(a.startswith('--config') for a in argv[1:]):
+    raise ConfigError('--hlo predicts a program already compiled: leave out --config.')
+  flags.FLAGS.unparse_flags()
+  try:
+    flags.FLAGS(argv)
+  except flags.Error as e:
+    raise ConfigError(str(e).splitlines()[0]) from None
+  check_flags()
+  if not DEVICES.present:
+    raise ConfigError('--hlo needs --devices N: the devices the program was compiled for.')
+  hardware = hardware_profile(HARDWARE.value, DEVICE_MEMORY.value)
+  if hardware.rates is None:
+    raise ConfigError(f'--hardware={hardware.name} has no measured kernel rates to time a '
+                      'program with; use h100-nvlink or h200-nvlink.')
+  per_node = _PER_NODE.value or hardware.devices_per_node
+  if per_node < 1:
+    raise ConfigError(f'--devices-per-node={per_node} must be at least 1.')
+  try:
+    with open(_HLO.value) as f:
+      text = f.read()
+  except OSError as e:
+    raise ConfigError(f'--hlo {_HLO.value}: {e.strerror.lower()}; pass an HLO text file.') from None
+  if 'HloModule' not in text or 'ENTRY' not in text:
+    raise ConfigError(f'--hlo {_HLO.value}: not an HLO module in text form (no HloModule/ENTRY); '
+                      'pass a *after_optimizations.txt file of --xla_dump_to.')
+  return text, hardware, DEVICES.value, per_node
+
+
 def main(argv: list[str]) -> None:
+  if any(a == '--hlo' or a.startswith('--hlo=') for a in argv[1:]):
+    text, hardware, devices, per_node = read_hlo_flags(argv)
+    r = program_report(text, hardware, devices, per_node)
+    print(json.dumps(r, indent=2) if _JSON.value else format_program_report(r))
+    return
   cfg, hardware, devices = parse_and_place(argv)
   if _DUMP.value:
     check_dump_directory(_DUMP.value)  # before the long part

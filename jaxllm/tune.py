@@ -1,7 +1,7 @@
 """`python -m jaxllm.tune --config configs/X.py --devices N [--hardware h100-nvlink] [--measure K]`
 
-Tries every mesh data·fsdp·pipe·tensor = N that the model allows, with each micro-batch count
-and remat policy asked for: compiles each from shapes for the profile's GPU (as
+Tries every mesh data·fsdp·pipe·tensor = N that the model allows, with each remat policy,
+micro-batch count, ZeRO stage, sequence or context split and loss chunk asked for: compiles each from shapes for the profile's GPU (as
 `jaxllm.analyze` does, with its --compiler and --devices), drops those that do not fit what a
 process may use of the device's memory, and ranks the rest by predicted step time.
 `--measure K` then runs the best K for a few real steps on the devices present, beside the
@@ -17,17 +17,34 @@ from jaxllm import analyze
 from jaxllm.cli import main_guard
 from jaxllm.config import REMAT_POLICIES, ConfigError
 from jaxllm.cost.report import seconds_text
-from jaxllm.cost.tune import format_table, measure, rank
+from jaxllm.cost.tune import SPLITS, Space, format_table, measure, rank
 
 _MEASURE = flags.DEFINE_integer('measure', 0, 'Run the best K candidates for a few steps.')
 _MEASURE_STEPS = flags.DEFINE_integer('measure-steps', 3, 'Timed steps per measured candidate.')
 _REMAT = flags.DEFINE_list('remat', ['none', 'full'], 'Remat policies to try.')
 _MICRO_BATCHES = flags.DEFINE_list('micro-batches', ['1', '2'], 'train.micro_batches to try.')
+_ZERO = flags.DEFINE_list('zero', [], 'sharding.zero stages to try (default: the config\'s).')
+_SPLITS = flags.DEFINE_list('splits', ['none'], f'Sequence and context splits to try: '
+                            f'{", ".join(SPLITS)}.')
+_LOSS_CHUNK = flags.DEFINE_list('loss-chunk', [],
+                                'model.loss_chunk values to try (default: the config\'s).')
 
 
-def check_flags() -> tuple[list[str], list[int]]:
-  """The ranges of tune's own flags; returns the remat policies and micro-batch counts. (An
-  empty list or a count of 0 would otherwise read as 'no mesh fits'.)"""
+def _integers(flag, at_least: int, example: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(v) for v in flag.value)
+  except ValueError:
+    values = ()
+  if not values or min(values) < at_least:
+    raise ConfigError(f'--{flag.name}={",".join(flag.value)} must be integers of at least '
+                      f'{at_least}, e.g. {example}.')
+  return values
+
+
+def check_flags() -> Space:
+  """The ranges of tune's own flags; returns what to try beside the mesh (no ZeRO stages or
+  loss chunks: the config's). (An empty list or a count of 0 would otherwise read as 'no
+  mesh fits'.)"""
   if _MEASURE.value < 0:
     raise ConfigError(f'--measure={_MEASURE.value} must be at least 0 (0: rank only).')
   if _MEASURE_STEPS.value < 1:
@@ -38,24 +55,28 @@ def check_flags() -> tuple[list[str], list[int]]:
   for remat in remats:
     if remat not in REMAT_POLICIES:
       raise ConfigError(f'--remat={remat!r} is unknown; use {", ".join(REMAT_POLICIES)}.')
-  try:
-    micro_batches = [int(m) for m in _MICRO_BATCHES.value]
-  except ValueError:
-    micro_batches = []
-  if not micro_batches or min(micro_batches) < 1:
-    raise ConfigError(f'--micro-batches={",".join(_MICRO_BATCHES.value)} must be integers of '
-                      'at least 1, e.g. 1,2,4.')
-  return remats, micro_batches
+  for split in _SPLITS.value or ['']:  # empty: ''  is unknown
+    if split not in SPLITS:
+      raise ConfigError(f'--splits={split!r} is unknown; use {", ".join(SPLITS)}.')
+  zero = _integers(_ZERO, 0, '0,1,2') if _ZERO.value else ()
+  if zero and max(zero) > 2:
+    raise ConfigError(f'--zero={",".join(_ZERO.value)}: ZeRO stages are 0, 1 and 2.')
+  chunks = _integers(_LOSS_CHUNK, 0, '0,1024') if _LOSS_CHUNK.value else ()
+  return Space(tuple(remats), _integers(_MICRO_BATCHES, 1, '1,2,4'), zero, tuple(_SPLITS.value),
+               chunks)
 
 
 def main(argv: list[str]) -> None:
   cfg, hardware, devices = analyze.parse_and_place(argv)
-  remats, micro_batches = check_flags()
+  space = check_flags()
+  if hardware.rates is None:
+    raise ConfigError(f'--hardware={hardware.name} has no measured kernel rates to rank by; use '
+                      'h100-nvlink or h200-nvlink (analyze still reads its memory and traffic).')
   if _MEASURE.value and len(devices) != jax.device_count():
     raise ConfigError(f'--measure runs the candidates on the devices present, '
                       f'{jax.device_count()} × {jax.devices()[0].device_kind}; rank for as many '
                       f'(--devices {jax.device_count()}) or leave --measure out.')
-  rows, skipped = rank(cfg, hardware, remats, micro_batches, devices)
+  rows, skipped = rank(cfg, hardware, space, devices)
   if not rows:
     raise ConfigError(f'no mesh of {len(devices)} devices fits {hardware.name} '
                       f'({", ".join(f"{v} {k}" for k, v in skipped.items() if v)}); use more '
@@ -67,7 +88,8 @@ def main(argv: list[str]) -> None:
     for i, r in enumerate(rows[:_MEASURE.value], 1):
       seconds = measure(r['config'], _MEASURE_STEPS.value)
       print(f'{i:>3}  {" ".join(f"{a}={n}" for a, n in r["mesh"].items())}  remat '
-            f'{r["remat"]}  micro {r["micro_batches"]}: measured {seconds_text(seconds)}'
+            f'{r["remat"]}  micro {r["micro_batches"]}  zero {r["zero"]}  split {r["split"]}  '
+            f'chunk {r["loss_chunk"]}: measured {seconds_text(seconds)}'
             f' per step, predicted {seconds_text(r["step_s"])} on {hardware.name}')
 
 

@@ -18,7 +18,7 @@ from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES, axes_across_nodes
 from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
-from jaxllm.cost.tune import factorisations, measure, rank
+from jaxllm.cost.tune import Space, factorisations, measure, rank
 
 H100 = PROFILES['h100-nvlink']
 
@@ -239,7 +239,7 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
   """On 4 devices (every candidate is a compile): each of the 10 meshes with 1 micro-batch,
   none with 3, which do not divide the 16 rows."""
   devices = jax.devices()[:4]
-  rows, skipped = rank(tiny_config, H100, ['none'], [1, 3], devices)
+  rows, skipped = rank(tiny_config, H100, Space(('none',), (1, 3)), devices)
   steps = [r['step_s'] for r in rows]
   assert steps == sorted(steps)
   assert sorted(tuple(r['mesh'][a] for a in ('data', 'fsdp', 'pipe', 'tensor')) for r in rows) == (
@@ -273,6 +273,30 @@ def test_analyze_bad_input_gets_one_line(args, field):
   assert len(lines) == 1 and field in lines[0], result.stderr
 
 
+@pytest.mark.parametrize('args, message', [
+    (['--hlo={missing}', '--devices=8'], 'no such file or directory; pass an HLO text file'),
+    (['--hlo={notes}', '--devices=8'], 'not an HLO module in text form'),
+    (['--hlo={program}'], '--hlo needs --devices N'),
+    (['--hlo={program}', '--devices=8', '--config=configs/tiny.py'], 'leave out --config'),
+    (['--hlo={program}', '--devices=8', '--hardware=a100-80-nvlink'],
+     'has no measured kernel rates'),
+    (['--hlo={program}', '--devices=8', '--devices-per-node=-1'],
+     '--devices-per-node=-1 must be at least 1'),
+])
+def test_analyze_hlo_bad_input_is_a_config_error(tmp_path, args, message):
+  """`analyze --hlo FILE`: what it needs, each missing piece named in one line."""
+  files = {'missing': tmp_path / 'missing.txt', 'notes': tmp_path / 'notes.txt',
+           'program': tmp_path / 'program.txt'}
+  files['notes'].write_text('not a program\n')
+  files['program'].write_text('HloModule m\n\nENTRY %main () -> f32[] {\n'
+                              '  ROOT %c = f32[] constant(0)\n}\n')
+  try:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+      analyze_cli.read_hlo_flags(['prog', *(a.format(**files) for a in args)])
+  finally:
+    flags.FLAGS.unparse_flags()
+
+
 @pytest.mark.parametrize('module, args, message', [
     (analyze_cli, ['--devices=-2'], '--devices=-2 must be at least 1'),
     (analyze_cli, ['--device-memory=0'], '--device-memory=0.0 must be a positive number'),
@@ -281,6 +305,9 @@ def test_analyze_bad_input_gets_one_line(args, field):
     (tune, ['--measure-steps=0'], '--measure-steps=0 must be at least 1'),
     (tune, ['--micro-batches=2,0'], '--micro-batches=2,0 must be integers of at least 1'),
     (tune, ['--remat='], '--remat is empty'),
+    (tune, ['--zero=1,3'], '--zero=1,3: ZeRO stages are 0, 1 and 2'),
+    (tune, ['--splits=none,tp'], "--splits='tp' is unknown"),
+    (tune, ['--loss-chunk=-1'], '--loss-chunk=-1 must be integers of at least 0'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_flags_are_config_errors(module, args, message):
   """The flags each command checks once they are parsed (the CLI case above: one line)."""

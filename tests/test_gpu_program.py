@@ -14,7 +14,7 @@ from conftest import REPO, data_reductions, run_cli, small_config
 from jaxllm import backends
 from jaxllm.cli import load_config
 from jaxllm.config import ConfigError
-from jaxllm.cost import hlo
+from jaxllm.cost import hlo, timing
 from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES, usable_memory
 from jaxllm.cost.report import attention, format_report, memory, report
@@ -376,6 +376,20 @@ def test_analyze_json_and_dump_show_the_gpu_program(tmp_path):
   assert json.loads((dump / 'report.json').read_text()) == r
   assert 'all-reduce-start' in (dump / 'program.hlo.txt').read_text()
   assert 'cuDNN kernels' in (dump / 'report.txt').read_text()
+  pr = r['prediction']  # where the step's time goes, kernel by kernel
+  parts = [pr[f'{c}_s'] for c in timing.CATEGORIES]
+  assert min(parts) >= 0 and pr['gemm_s'] > 0 and pr['attention_s'] > 0
+  assert sum(parts) == pytest.approx(pr['step_s'])
+  assert pr['hidden_comm_s'] + pr['exposed_comm_s'] == pytest.approx(pr['comm_s'])
+  top = pr['top_kernels']
+  assert len(top) == 10 and [k['seconds'] for k in top] == sorted(
+      (k['seconds'] for k in top), reverse=True)
+  assert {k['category'] for k in top} <= {'gemm', 'attention', 'memory', 'collective'}
+  # Any program's HLO text, read back by `analyze --hlo`, is predicted the same
+  again = run_cli('--hlo', str(dump / 'program.hlo.txt'), '--devices', '8', '--json',
+                  module='jaxllm.analyze')
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert json.loads(again.stdout)['prediction']['step_s'] == pytest.approx(pr['step_s'])
   before = {f: (dump / f).read_text() for f in os.listdir(dump)}
   again = run_cli('--config', 'configs/tiny.py', '--dump', str(dump), module='jaxllm.analyze')
   assert again.returncode == 2
@@ -389,10 +403,12 @@ def test_tune_ranks_gpu_programs():
   result = run_cli('--config', 'configs/tiny.py', '--devices', '1', '--remat', 'none',
                    '--micro-batches', '1', module='jaxllm.tune')
   assert result.returncode == 0, result.stderr[-2000:]
-  head, _, row = result.stdout.strip().splitlines()
+  head, _, row, legend = result.stdout.strip().splitlines()
   assert head == ('1 candidates fit h100-nvlink (none left out); GPU: XLA\'s program for 1 × '
                   'NVIDIA H100 80GB HBM3, compiled without a GPU; predicted, best first:')
-  assert row.split()[:7] == ['1', '1', '1', '1', '1', 'none', '1']
+  # mesh, remat, micro-batches, ZeRO stage, split and loss chunk: the config's where not asked
+  assert row.split()[:10] == ['1', '1', '1', '1', '1', 'none', '1', '0', 'none', '1024']
+  assert legend.startswith('matmul: GEMMs and attention;')
 
 
 def test_tune_measures_only_on_as_many_devices_as_present():
@@ -567,3 +583,13 @@ def test_cublas_gemms_count_their_flops(options, h100s):
   # (split-K among them). The FLOPs are the same either way.
   assert ('__cublas$lt$matmul' in text) == (options != {})
   assert hlo.dot_flops(text) == 2 * 256 * 512 * 384 + 2 * 4 * 128 * 256 * 64
+  # The timing model times every product as a GEMM; cuBLAS's at the measured rate of each
+  # shape (Triton's may be split along K, into shapes of their own)
+  rates = H100.rates
+  t = timing.step_time(text, rates, 1, timing.node_crossing(8, 1))
+  gemms = [k for k in t.kernels if k.category == 'gemm']
+  assert sum(k.flops for k in gemms) == hlo.dot_flops(text)
+  if options:
+    assert t.by_category['gemm'] == pytest.approx(
+        2 * 256 * 512 * 384 / rates.gemm_rate('bf16xbf16->bf16', 1, 256, 384, 512)
+        + 2 * 4 * 128 * 256 * 64 / rates.gemm_rate('bf16xbf16->bf16', 4, 128, 64, 256), rel=0.01)

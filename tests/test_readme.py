@@ -232,8 +232,12 @@ TABLE = {
     '--config.mesh.fsdp=8 --config.mesh.tensor=4 --config.train.global_batch=64 '
     '[--hardware h100-nvlink] [--compiler gpu|cpu] [--json] [--dump DIR]':
         run_by(ANALYZE, note='a syntax summary: its bracket-free form'),
+    'python -m jaxllm.analyze --hlo FILE --devices N [--hardware h100-nvlink] '
+    '[--devices-per-node 8] [--json]':
+        run_by(ANALYZE, note='a syntax summary: FILE a program compiled for 8 H100s here'),
     'python -m jaxllm.tune --config configs/tiny.py [--devices N] [--remat none,full] '
-    '[--micro-batches 1,2] [--measure 2]':
+    '[--micro-batches 1,2] [--zero 0,1,2] [--splits none,sp,cp,cp_sp] [--loss-chunk 0,1024] '
+    '[--measure 2]':
         run_by(ANALYZE, note='a syntax summary: with --devices 1 --remat none --micro-batches 1 '
                '(bracket-free it is 80 compiles, 9 CPU-minutes)'),
     # Notebooks
@@ -571,6 +575,19 @@ def test_the_error_examples_are_what_their_configs_print(start, tmp_path):
 TUNE_OPTIONS = ['--devices', '1', '--remat', 'none', '--micro-batches', '1']
 
 
+def sharded_matmul_for_8_h100s() -> str:
+  """The optimized H100 program of a matmul whose contraction is split over 8 GPUs (its
+  partial products all-reduced), compiled here without a GPU."""
+  from jaxllm import backends
+  from jaxllm.cost.hardware import PROFILES
+  devices = backends.gpu_devices(PROFILES['h100-nvlink'], 8)
+  mesh = jax.sharding.Mesh(np.array(devices), ('x',))
+  spec = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
+  arg = lambda shape, *axes: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=spec(*axes))
+  matmul = jax.jit(jnp.matmul, out_shardings=spec())
+  return matmul.lower(arg((4096, 8192), None, 'x'), arg((8192, 4096), 'x')).compile().as_text()
+
+
 @pytest.mark.parametrize('key', commands_of(ANALYZE))
 def test_analyze_and_tune_as_printed(key, tmp_path):
   if 'jaxllm.tune' in key:
@@ -580,6 +597,13 @@ def test_analyze_and_tune_as_printed(key, tmp_path):
     fit = re.search(r'^(\d+) candidates fit h100-nvlink', out, re.M)
     assert fit and int(fit[1]) >= 1, out
     assert len(re.findall(r'^ +\d+ +\d+ +\d+ +\d+ +\d+  none +1  ', out, re.M)) == int(fit[1]), out
+    return
+  if '--hlo' in key:  # any program's HLO text: here a sharded matmul's, for 8 H100s
+    program = tmp_path / 'program.hlo.txt'
+    program.write_text(sharded_matmul_for_8_h100s())
+    out = run_readme(key, readme_cwd(tmp_path), subs=[('FILE', program), ('N', 8)]).stdout
+    assert re.search(r'^predicted on h100-nvlink: step [\d.]+ µs', out, re.M), out
+    assert re.search(r'^  GEMMs +[\d.]+ ms', out, re.M) and 'all-reduce' in out, out
     return
   out = run_readme(key, readme_cwd(tmp_path)).stdout
   devices = 64 if '--devices 64' in key else 8

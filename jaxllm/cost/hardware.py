@@ -10,6 +10,7 @@ import math
 import os
 
 from jaxllm.config import ConfigError
+from jaxllm.cost import gemm_rates
 from jaxllm.parallel.mesh import host_split
 
 GiB, MiB = 2**30, 2**20
@@ -73,6 +74,124 @@ class Gpu:
     return '\n'.join(lines) + '\n'
 
 
+# cuDNN's fused flash attention on one H100 SXM, bf16, TFLOP/s at sequence lengths
+# ATTENTION_LENGTHS, by (pass, head dim, causal): FlashAttention-3 (Shah et al., arXiv
+# 2407.08608), figures 5 and 6, the cuDNN series (16K tokens per batch, hidden 2048), FLOPs
+# counted as `hlo.attention_kernel` counts them (causal halved, backward 2.5× forward). The
+# paper has no causal backward: it is taken as the non-causal backward times the causal
+# forward's share of the non-causal forward at that length (an assumption).
+ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+_FORWARD = {(64, False): (335, 373, 395, 408, 412, 413), (64, True): (225, 288, 334, 363, 379, 388),
+            (128, False): (497, 574, 617, 609, 600, 595),
+            (128, True): (315, 410, 484, 518, 529, 539)}
+_BACKWARD = {64: (266, 348, 395, 417, 432, 433), 128: (305, 408, 465, 499, 518, 516)}
+H100_ATTENTION = {('forward', d, c): rates for (d, c), rates in _FORWARD.items()}
+H100_ATTENTION.update({('backward', d, False): b for d, b in _BACKWARD.items()})
+H100_ATTENTION.update({('backward', d, True): tuple(
+    round(x * c / n, 1) for x, c, n in zip(b, _FORWARD[d, True], _FORWARD[d, False]))
+                       for d, b in _BACKWARD.items()})
+
+# NCCL bus bandwidth inside an 8-GPU H100 NVLink node, bytes/s, by collective and group size:
+# XLA's measured table (openxla/xla, xla/service/gpu/model/default_collective_perf_table.txtpb,
+# key sm_90) at its largest sizes. A collective-permute sends over one link: taken at the
+# two-GPU all-gather's rate.
+H100_NVLINK_BUS = {
+    'all-reduce': {2: 250e9, 4: 302e9, 8: 402e9},
+    'all-gather': {2: 275e9, 4: 332e9, 8: 352e9},
+    'reduce-scatter': {2: 205e9, 4: 287e9, 8: 329e9},
+    'all-to-all': {2: 321e9, 4: 351e9, 8: 340e9},
+    'collective-permute': {2: 275e9},
+}
+
+
+# The share of its datasheet memory bandwidth a Hopper GPU reaches moving a buffer of a given
+# size, bytes -> fraction: XLA's measured table (openxla/xla,
+# xla/service/gpu/model/gpu_dot_fusion_cost_model.cc, kHopperScaledHbmBandwidthTable). XLA
+# takes sizes below the first at its fraction, as here.
+HOPPER_MEMORY_CURVE = ((1 * MiB, 0.053), (4 * MiB, 0.191), (8 * MiB, 0.319), (16 * MiB, 0.472),
+                       (32 * MiB, 0.589), (64 * MiB, 0.699), (128 * MiB, 0.785),
+                       (256 * MiB, 0.825), (512 * MiB, 0.886), (GiB, 0.932), (2 * GiB, 0.941),
+                       (4 * GiB, 0.946), (8 * GiB, 0.948))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRates:
+  """What the timing model (`jaxllm.cost.timing`) times a GPU's kernels with, each from a
+  public measurement or named as an assumption where none exists."""
+  gemm: dict               # element type -> TFLOP/s [m][n][k] over gemm_rates.SIZES
+  fp8_peak_flops: float    # dense FP8 tensor-core FLOP/s: the FP8 table is capped below it
+  attention: dict          # (pass, head dim, causal) -> TFLOP/s at ATTENTION_LENGTHS
+  memory_bandwidth: float  # the datasheet's, bytes/s
+  memory_curve: tuple      # (bytes moved, share of memory_bandwidth reached), by size
+  vector_flops: float      # CUDA-core FP32 FLOP/s (elementwise work)
+  launch_s: float          # per kernel
+  intra_node_bus: dict     # collective -> {group size: NCCL bus bandwidth, bytes/s}
+  intra_node_latency: float
+  inter_node_bus: float    # per GPU (one NIC each), any collective
+  inter_node_latency: float
+
+  def gemm_rate(self, types: str, batch: int, m: int, n: int, k: int) -> float:
+    """FLOP/s of a GEMM of element types 'bf16xbf16->f32' (inputs decide the table): XLA's
+    measured rate, interpolated in log size; a batch stacks its rows (m × batch); sizes
+    beyond the table take its edge."""
+    lhs = types.split('x')[0]
+    table = self.gemm['f8' if lhs.startswith('f8') else 'f32' if lhs == 'f32' else 'bf16']
+    point = [math.log2(min(max(x, gemm_rates.SIZES[0]), gemm_rates.SIZES[-1]))
+             - math.log2(gemm_rates.SIZES[0]) for x in (m * batch, n, k)]
+    rate = _interpolate(table, point) * 1e12
+    return min(rate, 0.8 * self.fp8_peak_flops) if lhs.startswith('f8') else rate
+
+  def memory_seconds(self, moved: float) -> float:
+    """Seconds a memory-bound kernel takes to read and write `moved` bytes: at the share of
+    the bandwidth a transfer of that size reaches, interpolated in log size."""
+    if moved <= 0:
+      return 0.0
+    sizes = [math.log2(b) for b, _ in self.memory_curve]
+    x = min(max(math.log2(moved), sizes[0]), sizes[-1])
+    i = next(i for i in range(1, len(sizes)) if x <= sizes[i])
+    t = (x - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+    share = (1 - t) * self.memory_curve[i - 1][1] + t * self.memory_curve[i][1]
+    return moved / (share * self.memory_bandwidth)
+
+  def attention_rate(self, backward: bool, head_dim: int, length: int, causal: bool) -> float:
+    """FLOP/s of a cuDNN flash attention pass (head dims above 64 take the 128 row)."""
+    rates = self.attention['backward' if backward else 'forward', 64 if head_dim <= 64 else 128,
+                           causal]
+    x = math.log2(min(max(length, ATTENTION_LENGTHS[0]), ATTENTION_LENGTHS[-1]) / 512)
+    return _interpolate(rates, [x]) * 1e12
+
+  def link(self, kind: str, group: int, across_nodes: bool) -> tuple[float, float]:
+    """(bus bandwidth, latency) of a collective over `group` devices."""
+    if across_nodes:
+      return self.inter_node_bus, self.inter_node_latency
+    sizes = self.intra_node_bus[kind]
+    return sizes[min(sizes, key=lambda n: (abs(n - group), n))], self.intra_node_latency
+
+
+def _interpolate(table, point: list[float]) -> float:
+  """Multilinear interpolation of a nested table at fractional indices `point`."""
+  if not point:
+    return table
+  x, rest = point[0], point[1:]
+  low = min(int(x), len(table) - 2)
+  t = x - low
+  return (1 - t) * _interpolate(table[low], rest) + t * _interpolate(table[low + 1], rest)
+
+
+# H100 SXM (and H200, the same GH100 compute beside faster memory):
+# - peak FP8 1979 TFLOP/s dense, CUDA cores 67 TFLOP/s FP32: NVIDIA's H100 datasheet;
+# - memory: the datasheet's 3.35 / 4.8 TB/s at the shares XLA measured on Hopper by size
+#   (HOPPER_MEMORY_CURVE; 0.948 at the largest);
+# - 1 µs per kernel launch: XLA's own estimate (gpu_performance_model_base.h);
+# - NCCL: XLA's table above; 10 µs per collective inside a node (an assumption: XLA estimates
+#   5 µs to launch an NCCL kernel and measured 12–20 µs end to end for the smallest ones); 47 GB/s
+#   bus bandwidth per 400 Gb/s InfiniBand NIC across nodes (NVIDIA/nccl-tests issue #290, by its
+#   maintainers: 46–48 GB/s), 20 µs latency across nodes (an assumption).
+def _hopper(memory_bandwidth: float) -> KernelRates:
+  return KernelRates(gemm_rates.H100, 1979e12, H100_ATTENTION, memory_bandwidth,
+                     HOPPER_MEMORY_CURVE, 67e12, 1e-6, H100_NVLINK_BUS, 10e-6, 47e9, 20e-6)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   name: str
@@ -80,14 +199,14 @@ class Hardware:
   peak_flops: float        # dense bf16 FLOP/s of one device
   memory: float            # bytes of one device's memory (as the driver reports it)
   devices_per_node: int
-  intra_node_bw: float     # bus bandwidth of a ring collective inside a node, bytes/s per device
-  inter_node_bw: float     # the same across nodes (one NIC per device)
   gpu: Gpu                 # what the GPU compiler needs to know of the device
-  # Fraction of peak that large matmuls reach: the step's compute is timed at this rate.
-  matmul_efficiency: float = 0.8
-  # Start-up cost of one collective (small-message NCCL latency, roughly), inside / across nodes.
-  intra_node_latency: float = 10e-6
-  inter_node_latency: float = 20e-6
+  rates: KernelRates | None  # what kernels take; None where no public measurements exist
+
+  def summary(self) -> dict:
+    """The profile's scalars, for a JSON report."""
+    return {'name': self.name, 'description': self.description, 'peak_flops': self.peak_flops,
+            'memory': self.memory, 'devices_per_node': self.devices_per_node,
+            'timed': self.rates is not None}
 
 
 HOPPER_SHARED_MEMORY = 228 * 1024  # per SM, compute capability 9.0
@@ -100,21 +219,18 @@ A100_80 = Gpu('NVIDIA A100-SXM4-80GB', (8, 0), 108, 1.41, 2.039e12, 40 * MiB, 64
 A100_40 = Gpu('NVIDIA A100-SXM4-40GB', (8, 0), 108, 1.41, 1.555e12, 40 * MiB, 64,
               AMPERE_SHARED_MEMORY)
 
-# Peak FLOP/s: `PEAK_FLOPS`; memory bandwidth: NVIDIA's H100, H200 and A100 datasheets. Link
-# figures are the assumptions README.md's "See before you launch" lists, as NCCL bus bandwidth
-# (nccl-tests' doc/PERFORMANCE.md defines it): H100 ~370 GB/s on NVLink4 (900 GB/s per GPU, both
-# directions, in the datasheet), 46–48 GB/s per 400 Gb/s InfiniBand NIC (50 GB/s line rate), an
-# 8192³ bf16 matmul at ~81% of peak (public measurements, not ours). A100: NVLink3 rings
-# reach ~230 GB/s and 200 Gb/s HDR NICs ~23 GB/s. Memory: the total nvidia-smi reports.
+# Peak FLOP/s: `PEAK_FLOPS`; memory bandwidth: NVIDIA's H100, H200 and A100 datasheets; memory:
+# the total nvidia-smi reports. The A100 profiles compile the A100's program (memory, kernels,
+# collectives) but time nothing: XLA's tables and the attention figures are the H100's.
 PROFILES = {p.name: p for p in (
     Hardware('h100-nvlink', 'H100 SXM 80 GB, NVLink nodes of 8, 400 Gb/s InfiniBand per GPU',
-             PEAK_FLOPS['H100'], 81559 * MiB, 8, 370e9, 47e9, H100),
+             PEAK_FLOPS['H100'], 81559 * MiB, 8, H100, _hopper(H100.memory_bandwidth)),
     Hardware('h200-nvlink', 'H200 141 GB, NVLink nodes of 8, 400 Gb/s InfiniBand per GPU',
-             PEAK_FLOPS['H200'], 143771 * MiB, 8, 370e9, 47e9, H200),
+             PEAK_FLOPS['H200'], 143771 * MiB, 8, H200, _hopper(H200.memory_bandwidth)),
     Hardware('a100-80-nvlink', 'A100 SXM 80 GB, NVLink nodes of 8, 200 Gb/s InfiniBand per GPU',
-             PEAK_FLOPS['A100'], 81920 * MiB, 8, 230e9, 23e9, A100_80),
+             PEAK_FLOPS['A100'], 81920 * MiB, 8, A100_80, None),
     Hardware('a100-40-nvlink', 'A100 SXM 40 GB, NVLink nodes of 8, 200 Gb/s InfiniBand per GPU',
-             PEAK_FLOPS['A100'], 40536 * MiB, 8, 230e9, 23e9, A100_40),
+             PEAK_FLOPS['A100'], 40536 * MiB, 8, A100_40, None),
 )}
 
 

@@ -325,7 +325,13 @@ def _all_reduce(computations, comp: str, inst: Instruction, axes, n: int, times:
            for dtype, size in scattered.items()])
 
 
-def _delivered(inst: Instruction) -> str:
+def collective_kind(inst: Instruction) -> str | None:
+  """Which of KINDS `inst` is (run synchronously, or the start of an asynchronous one)."""
+  kind = inst.opcode.removesuffix('-start')
+  return kind if kind in KINDS else None
+
+
+def delivered(inst: Instruction) -> str:
   """The shape of what a collective delivers. A GPU program's asynchronous starts hold
   (operands, results, ...), except `all-reduce-start`, whose shape is its result."""
   if inst.opcode.endswith('-start') and inst.opcode != 'all-reduce-start':
@@ -334,7 +340,7 @@ def _delivered(inst: Instruction) -> str:
 
 
 @functools.lru_cache(maxsize=2)
-def _program(hlo_text: str):
+def program(hlo_text: str):
   """The parsed module, its entry and how often each computation runs (shared by the readers
   below, which are usually asked about the same program in turn)."""
   computations, entry = parse_module(hlo_text)
@@ -346,13 +352,13 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list
   (axis name → size, in the mesh's order), with its executions per step: one record per
   element type it moves. `cpu`: the program is the CPU compiler's, whose all-reduce
   patterns are counted as an accelerator runs them (see the module's docstring)."""
-  computations, counts = _program(hlo_text)
+  computations, counts = program(hlo_text)
   found = []
   for comp, insts in computations.items():
     times = counts.get(comp, 0)
     for inst in insts.values() if times else ():
-      kind = inst.opcode.removesuffix('-start')
-      if kind not in KINDS:
+      kind = collective_kind(inst)
+      if kind is None:
         continue
       axes, n = group_axes(device_groups(inst.attrs), mesh_shape,
                            permute=kind == 'collective-permute')
@@ -362,7 +368,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list
         found += _all_reduce(computations, comp, inst, axes, n, times)
         continue
       found += [Collective(kind, dtype, axes, n, times, RING[kind](n) * size)
-                for dtype, size in bytes_by_dtype(_delivered(inst)).items()]
+                for dtype, size in bytes_by_dtype(delivered(inst)).items()]
   return found
 
 
@@ -388,7 +394,7 @@ def _contracting(inst: Instruction) -> list[int] | None:
 def _dots(hlo_text: str):
   """(computation, instruction, FLOPs per execution of the program) of every matrix multiply,
   XLA's `dot`s and cuBLAS calls alike (2 FLOPs per multiply-add), loops multiplied through."""
-  computations, counts = _program(hlo_text)
+  computations, counts = program(hlo_text)
   for comp, insts in computations.items():
     for inst in insts.values() if counts.get(comp) else ():
       contracting = _contracting(inst)
@@ -417,7 +423,7 @@ def _xla_reruns(hlo_text: str) -> tuple[frozenset[str], frozenset[str]]:
   """The instructions XLA's rematerialization added, and the computations (fusion bodies)
   they call: of each op and its clones, all but the first (a clone whose original is gone
   only moved it)."""
-  computations, _ = _program(hlo_text)
+  computations, _ = program(hlo_text)
   instructions, called = set(), set()
   for insts in computations.values():
     copies = collections.defaultdict(list)  # op's name -> [(clone number, instruction name)]
@@ -468,50 +474,56 @@ class FusedAttention:
   recomputed_by: str | None  # a forward rerun in the backward: by whom (see `recomputed_by`)
   flops: float         # per execution, from the shapes
   segments: int = 1    # spans of each row it attends within (cuDNN's packed layout when > 1)
+  length: int = 0      # queries per sequence (T)
+  head_dim: int = 0    # H
 
   @property
   def backward(self) -> bool:
     return self.target.endswith('Backward')
 
 
+ATTENTION_TARGET = re.compile(r'custom_call_target="(__cudnn\$fmha\w*)"')
+
+
 def fused_attention(hlo_text: str) -> list[FusedAttention]:
-  """The cuDNN attention kernels of a program. FLOPs are counted from the shapes (the kernels
+  """The cuDNN attention kernels of a program (see `attention_kernel`)."""
+  computations, counts = program(hlo_text)
+  return [attention_kernel(inst, counts[comp], recomputed_by(hlo_text, comp, inst))
+          for comp, insts in computations.items() if counts.get(comp)
+          for inst in insts.values()
+          if inst.opcode == 'custom-call' and ATTENTION_TARGET.search(inst.attrs)]
+
+
+def attention_kernel(inst: Instruction, count: int, recomputed: str | None) -> FusedAttention:
+  """A cuDNN attention call as a kernel. FLOPs are counted from the shapes (the kernels
   report none): 4·B·N·T·S·H forward (Q·Kᵀ and P·V), 10·B·N·T·S·H backward (Q·Kᵀ again and
   four gradient matmuls), halved under a causal mask, whose upper triangle the kernel skips;
   packed rows count as one sequence each, an upper bound on their documents' work."""
-  computations, counts = _program(hlo_text)
-  found = []
-  for comp, insts in computations.items():
-    for inst in insts.values() if counts.get(comp) else ():
-      target = re.search(r'custom_call_target="(__cudnn\$fmha\w*)"', inst.attrs)
-      if inst.opcode != 'custom-call' or not target:
-        continue
-      config = inst.attrs.replace(' ', '')  # the backend config's JSON, spaces dropped
-      scores = re.search(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":'
-                         r'\[([^\]]*)\]', config)
-      dims = [int(d) for d in re.findall(r'\d+', scores.group(1))] if scores else []
-      start = inst.attrs.find('operand_layout_constraints=')
-      operands = arrays(inst.attrs[start:_balanced(inst.attrs, inst.attrs.index('{', start))])
-      mask = re.search(r'"mask_type":\s*"(\w+)"', inst.attrs)
-      mask = mask.group(1) if mask else 'NO_MASK'
-      bias = next((f'{t}[{",".join(map(str, d))}]' for t, d in operands[3:]
-                   if dims and len(d) == len(dims) and d[-2:] == tuple(dims[-2:])), None)
-      segments = re.search(r'"max_seg_per_batch":(\d+)', config)
-      kernel = FusedAttention(target.group(1), counts[comp],
-                              '"is_flash_attention":true' in config, mask, bias,
-                              recomputed_by(hlo_text, comp, inst), 0.0,
-                              int(segments.group(1)) if segments else 1)
-      if dims and operands:  # [B, N, T, S] scores, each of head dim H (q's last)
-        kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims) * operands[0][1][-1]
-                        * (0.5 if 'CAUSAL' in mask else 1.0))
-      found.append(kernel)
-  return found
+  config = inst.attrs.replace(' ', '')  # the backend config's JSON, spaces dropped
+  scores = re.search(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":'
+                     r'\[([^\]]*)\]', config)
+  dims = [int(d) for d in re.findall(r'\d+', scores.group(1))] if scores else []
+  start = inst.attrs.find('operand_layout_constraints=')
+  operands = arrays(inst.attrs[start:_balanced(inst.attrs, inst.attrs.index('{', start))])
+  mask = re.search(r'"mask_type":\s*"(\w+)"', inst.attrs)
+  mask = mask.group(1) if mask else 'NO_MASK'
+  bias = next((f'{t}[{",".join(map(str, d))}]' for t, d in operands[3:]
+               if dims and len(d) == len(dims) and d[-2:] == tuple(dims[-2:])), None)
+  segments = re.search(r'"max_seg_per_batch":(\d+)', config)
+  kernel = FusedAttention(ATTENTION_TARGET.search(inst.attrs).group(1), count,
+                          '"is_flash_attention":true' in config, mask, bias, recomputed, 0.0,
+                          int(segments.group(1)) if segments else 1)
+  if dims and operands:  # [B, N, T, S] scores, each of head dim H (q's last)
+    kernel.length, kernel.head_dim = dims[-2], operands[0][1][-1]
+    kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims) * operands[0][1][-1]
+                    * (0.5 if 'CAUSAL' in mask else 1.0))
+  return kernel
 
 
 def largest_values(hlo_text: str, k: int = 5) -> list[tuple[int, str, str]]:
   """The `k` largest arrays the program computes (outside fusions, whose insides are never
   held), as (bytes, shape, the JAX operation that made it), each shape and operation once."""
-  computations, counts = _program(hlo_text)
+  computations, counts = program(hlo_text)
   fused = {m for insts in computations.values() for i in insts.values() if i.opcode == 'fusion'
            for m in re.findall(r'calls=%?([\w.\-]+)', i.attrs)}
   skip = ('parameter', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'call', 'conditional',

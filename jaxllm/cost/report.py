@@ -5,7 +5,6 @@ time and MFU on a hardware profile; as a JSON-ready dict and as text."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 
 import jax
@@ -14,7 +13,7 @@ from ml_collections import ConfigDict
 
 from jaxllm import metrics
 from jaxllm.backends import is_compile_only
-from jaxllm.cost import hlo
+from jaxllm.cost import hlo, timing
 from jaxllm.cost.compile import Compiled, compile_step
 from jaxllm.cost.hardware import Hardware, axes_across_nodes, usable_memory
 from jaxllm.cost.traffic import expected_bytes
@@ -22,29 +21,33 @@ from jaxllm.cost.traffic import expected_bytes
 
 def collective_table(c: Compiled, hardware: Hardware) -> tuple[list[dict], list[dict]]:
   """The compiled collectives grouped by (mesh axes, kind, element type) with count, bytes
-  and time; and their bytes per mesh-axes group beside the analytic figure.
+  and time (latency + bytes ÷ bus bandwidth, as `timing` takes them; None on a profile
+  without rates); and their bytes per mesh-axes group beside the analytic figure.
 
   A combined op moving several element types counts once in each of their rows (and so does
   its latency)."""
-  groups = collections.defaultdict(lambda: {'count': 0, 'bytes': 0.0, 'rewritten': 0})
+  groups = collections.defaultdict(lambda: {'count': 0, 'bytes': 0.0, 'rewritten': 0,
+                                            'seconds': 0.0})
+  spanning = axes_across_nodes(c.mesh_shape, c.cfg.mesh.across_hosts, hardware.devices_per_node)
+  rates = hardware.rates
   for x in hlo.collectives(c.text, c.mesh_shape, cpu=c.cpu):
     g = groups[(x.axes, x.kind, x.dtype)]
     g['count'] += x.count
     g['bytes'] += x.bytes
     g['rewritten'] += x.count if (x.from_all_reduce or x.summed) else 0
+    if rates:
+      bandwidth, latency = rates.link(x.kind, x.group_size, bool(spanning & set(x.axes)))
+      g['seconds'] += x.count * latency + x.bytes / bandwidth
   expected = expected_bytes(c)
   per_axes = collections.Counter()
   for (axes, _, _), g in groups.items():
     per_axes[axes] += g['bytes']
   rows = []
-  spanning = axes_across_nodes(c.mesh_shape, c.cfg.mesh.across_hosts, hardware.devices_per_node)
   for (axes, kind, dtype), g in sorted(groups.items()):
-    crosses = bool(spanning & set(axes))
-    bandwidth, latency = ((hardware.inter_node_bw, hardware.inter_node_latency) if crosses else
-                          (hardware.intra_node_bw, hardware.intra_node_latency))
     rows.append({'axes': list(axes), 'kind': kind, 'dtype': dtype, 'count': g['count'],
-                 'bytes': g['bytes'], 'rewritten': g['rewritten'], 'crosses_nodes': crosses,
-                 'seconds': g['bytes'] / bandwidth + g['count'] * latency})
+                 'bytes': g['bytes'], 'rewritten': g['rewritten'],
+                 'crosses_nodes': bool(spanning & set(axes)),
+                 'seconds': g['seconds'] if rates else None})
   totals = []
   for axes, compiled in sorted(per_axes.items()):
     analytic = expected.get(axes)
@@ -89,26 +92,25 @@ def attention(c: Compiled) -> dict:
           'flops_per_device': sum(v['flops'] for v in kernels.values())}
 
 
-def predict(c: Compiled, collectives: list[dict], flops_per_device: float,
-            hardware: Hardware) -> dict[str, float]:
-  """Step time on `hardware`: compute at the profile's matmul rate; tensor and pipe traffic
-  exposed (it sits between dependent matmuls); data and fsdp traffic overlapped with compute
-  by XLA's scheduler, exposed only where it outlasts the compute. The bubble is the schedule's
-  idle share of the compute (its iterations run on zeros)."""
-  compute = flops_per_device / (hardware.peak_flops * hardware.matmul_efficiency)
-  serial = sum(r['seconds'] for r in collectives if set(r['axes']) & {'tensor', 'pipe'})
-  overlapped = sum(r['seconds'] for r in collectives if not set(r['axes']) & {'tensor', 'pipe'})
-  bubble = compute * (c.pipeline.bubble_fraction if c.pipeline else 0.0)
-  exposed = serial + max(0.0, overlapped - compute)
-  step = compute + exposed
-  cfg = c.cfg
+def predict(c: Compiled, hardware: Hardware) -> dict | None:
+  """The step's time on `hardware`, kernel by kernel (`jaxllm.cost.timing`), with tokens/s
+  and MFU; None on a profile without kernel rates. The pipeline's idle iterations run on
+  zeros, so the bubble is inside the kernels' time: `bubble_s` is its share of them."""
+  if hardware.rates is None:
+    return None
+  spanning = axes_across_nodes(c.mesh_shape, c.cfg.mesh.across_hosts, hardware.devices_per_node)
+  crosses = lambda groups: bool(spanning & set(hlo.group_axes(groups, c.mesh_shape)[0]))
   devices = math.prod(c.mesh_shape.values())
+  t = timing.step_time(c.text, hardware.rates, devices, crosses)
+  cfg = c.cfg
   tokens = cfg.train.global_batch * cfg.data.seq_len
   model_flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
-  mfu = lambda convention: model_flops[convention] * tokens / (step * devices * hardware.peak_flops)
-  return {'compute_s': compute - bubble, 'bubble_s': bubble, 'exposed_comm_s': exposed,
-          'step_s': step, 'tokens_per_s': tokens / step, 'mfu': mfu('full'),
-          'mfu_causal': mfu('causal')}
+  mfu = lambda convention: model_flops[convention] * tokens / (t.step_s * devices
+                                                               * hardware.peak_flops)
+  bubble = c.pipeline.bubble_fraction if c.pipeline else 0.0
+  return {**timing.summary(t), 'tokens_per_s': tokens / t.step_s, 'mfu': mfu('full'),
+          'mfu_causal': mfu('causal'),
+          'bubble_s': bubble * (t.step_s - t.by_category['exposed_comm'])}
 
 
 def compiler(c: Compiled) -> dict:
@@ -138,7 +140,7 @@ def report(c: Compiled, hardware: Hardware) -> dict:
   usable, fraction = usable_memory(hardware)
   counts = metrics.param_counts(m)
   return {
-      'compiler': compiler(c), 'mesh': c.mesh_shape, 'hardware': dataclasses.asdict(hardware),
+      'compiler': compiler(c), 'mesh': c.mesh_shape, 'hardware': hardware.summary(),
       'params': {'total': counts['total'],
                  'per_device': c.state_bytes['params'] // jnp.dtype(m.param_dtype).itemsize},
       'memory': {**mem, 'usable': usable, 'usable_fraction': fraction},
@@ -160,7 +162,7 @@ def report(c: Compiled, hardware: Hardware) -> dict:
       'collectives': rows, 'per_axis': totals,
       'largest_arrays': [{'bytes': b, 'shape': shape, 'op': op}
                          for b, shape, op in hlo.largest_values(c.text)],
-      'prediction': predict(c, rows, compiled_flops, hardware),
+      'prediction': predict(c, hardware),
   }
 
 
@@ -223,7 +225,8 @@ def format_report(r: dict) -> str:
   for c in r['collectives']:
     note = '*' if c['rewritten'] else ' '
     lines.append(f'  {",".join(c["axes"]):16} {c["kind"] + note:19} {c["dtype"]:5} '
-                 f'{c["count"]:>7,} {size_text(c["bytes"]):>12} {seconds_text(c["seconds"]):>10}  '
+                 f'{c["count"]:>7,} {size_text(c["bytes"]):>12} '
+                 f'{seconds_text(c["seconds"]) if c["seconds"] is not None else "–":>10}  '
                  f'{"inter-node" if c["crosses_nodes"] else "intra-node"}')
   if any(c['rewritten'] for c in r['collectives']):
     lines.append('  * counted as an accelerator runs it: an all-reduce whose result is only '
@@ -237,14 +240,22 @@ def format_report(r: dict) -> str:
   lines.append('largest arrays the program computes (not all live at once):')
   for a in r['largest_arrays']:
     lines.append(f'  {size_text(a["bytes"]):>12}  {a["shape"]:28} {a["op"]}')
-  lines.append(
-      f'predicted on {hw["name"]}: step {seconds_text(pr["step_s"])} = compute '
-      f'{seconds_text(pr["compute_s"])} + bubble {seconds_text(pr["bubble_s"])} + exposed '
-      f'communication {seconds_text(pr["exposed_comm_s"])}; {pr["tokens_per_s"]:,.0f} tokens/s, '
-      f'MFU {pr["mfu"]:.1%} ({pr["mfu_causal"]:.1%} with causal halving). A model, not a '
-      f'measurement: matmuls at {hw["matmul_efficiency"]:.0%} of peak, data and fsdp traffic '
-      'hidden behind compute, tensor and pipe traffic exposed; tune --measure times it')
+  lines += prediction_lines(pr, hw['name'])
   return '\n'.join(lines)
+
+
+def prediction_lines(pr: dict | None, hardware: str) -> list[str]:
+  """The predicted step and where its time goes, for the text report."""
+  if pr is None:
+    return [f'predicted: nothing; {hardware} has no measured kernel rates to time the program '
+            'with (h100-nvlink and h200-nvlink do)']
+  bubble = (f'; the pipeline bubble is {seconds_text(pr["bubble_s"])} of the kernels\' time'
+            if pr['bubble_s'] else '')
+  return [f'predicted on {hardware}: step {seconds_text(pr["step_s"])}, '
+          f'{pr["tokens_per_s"]:,.0f} tokens/s, MFU {pr["mfu"]:.1%} ({pr["mfu_causal"]:.1%} with '
+          f'causal halving){bubble}. Each kernel timed from its shapes on measured rates, the '
+          'collectives hidden where the program overlaps them (see `jaxllm.cost.timing`):',
+          *timing.breakdown_lines(pr)]
 
 
 def recomputed_text(fl: dict) -> str:
@@ -268,3 +279,42 @@ def attention_lines(a: dict) -> list[str]:
     lines.append(f'  {k["target"]:36} ×{k["count"]:<5,} {"flash" if k["flash"] else "not flash"}'
                  f', mask {k["mask"]}{bias}, {k["flops"] / 1e12:,.3f} TFLOP{rerun}')
   return lines
+
+
+def program_report(text: str, hardware: Hardware, devices: int, devices_per_node: int) -> dict:
+  """What `analyze --hlo` says of any JAX program's optimized GPU HLO: its FLOPs, its
+  collectives (bytes one device sends), and the predicted step, on `devices` devices
+  numbered `devices_per_node` to a node."""
+  crosses = timing.node_crossing(devices_per_node, devices)
+  kinds = collections.defaultdict(lambda: {'count': 0, 'bytes': 0.0})
+  for x in hlo.collectives(text, {'devices': devices}, cpu=False):
+    row = kinds[x.kind, x.dtype, x.group_size]
+    row['count'] += x.count
+    row['bytes'] += x.bytes
+  attention = sum(k.count * k.flops for k in hlo.fused_attention(text))
+  flops = hlo.dot_flops(text) + attention
+  prediction = timing.summary(timing.step_time(text, hardware.rates, devices, crosses))
+  prediction['flops_per_s_per_device'] = flops / prediction['step_s']
+  return {'program': {'devices': devices, 'devices_per_node': devices_per_node},
+          'hardware': hardware.summary(),
+          'flops': {'compiled_per_device': flops, 'attention_per_device': attention},
+          'collectives': [{'kind': k, 'dtype': t, 'group_size': n, **v}
+                          for (k, t, n), v in sorted(kinds.items())],
+          'prediction': prediction}
+
+
+def format_program_report(r: dict) -> str:
+  p, pr = r['program'], r['prediction']
+  lines = [f'program  an optimized GPU HLO for {p["devices"]} devices, '
+           f'{p["devices_per_node"]} to a node',
+           f'FLOPs    {r["flops"]["compiled_per_device"] / 1e12:,.3f} TFLOP per device per step '
+           f'(matmuls and cuDNN attention, {r["flops"]["attention_per_device"] / 1e12:,.3f} of '
+           'it attention)',
+           'collectives per step, bytes sent by one device:']
+  for c in r['collectives']:
+    lines.append(f'  {c["kind"]:19} {c["dtype"]:5} group {c["group_size"]:<4} ×{c["count"]:<7,} '
+                 f'{size_text(c["bytes"]):>12}')
+  lines.append(f'predicted on {r["hardware"]["name"]}: step {seconds_text(pr["step_s"])}, '
+               f'{pr["flops_per_s_per_device"] / 1e12:,.1f} TFLOP/s per device of the '
+               'program\'s own FLOPs')
+  return '\n'.join(lines + timing.breakdown_lines(pr))

@@ -5,6 +5,7 @@ by predicted step time; and the best timed for a few real steps."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import time
 
@@ -33,21 +34,58 @@ def factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
           for rest in factorisations(n // d, parts - 1)]
 
 
-def candidates(cfg: ConfigDict, devices: int, remats, micro_batches):
+SEQUENCE_PARALLEL = {'sharding.rules.act_seq': ('tensor',)}
+CONTEXT_PARALLEL = {'sharding.rules.batch': ('data',), 'sharding.rules.seq': ('fsdp',)}
+SPLITS = {  # name: (what a row says, the config fields it sets)
+    'none': ('', {}),
+    'sp': ('sequence parallel (tensor)', SEQUENCE_PARALLEL),
+    'cp': ('context parallel (fsdp)', CONTEXT_PARALLEL),
+    'cp_sp': ('context (fsdp) + sequence (tensor) parallel',
+              {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
+}
+
+
+def with_fields(cfg: ConfigDict, fields: dict) -> ConfigDict:
+  """A copy of `cfg` with the fields given by dotted paths set."""
+  cfg = copy.deepcopy(cfg)
+  for path, value in fields.items():
+    *sections, name = path.split('.')
+    node = cfg
+    for section in sections:
+      node = node[section]
+    node[name] = value
+  return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+  """What tune tries beside the mesh: each field's values (zero and loss_chunk empty: the
+  config's)."""
+  remat: tuple[str, ...]
+  micro_batches: tuple[int, ...] = (1,)
+  zero: tuple[int, ...] = ()
+  splits: tuple[str, ...] = ('none',)
+  loss_chunk: tuple[int, ...] = ()
+
+
+def candidates(cfg: ConfigDict, devices: int, space: Space):
   """(config, reason) for every combination: reason is None when the config is valid."""
-  for sizes, remat, micro in itertools.product(factorisations(devices, len(MESH_AXES)),
-                                               remats, micro_batches):
-    c = copy.deepcopy(cfg)  # each candidate its own
+  for sizes, remat, micro, zero, split, chunk in itertools.product(
+      factorisations(devices, len(MESH_AXES)), space.remat, space.micro_batches,
+      space.zero or (cfg.sharding.zero,), space.splits,
+      space.loss_chunk or (cfg.model.loss_chunk,)):
+    c = with_fields(cfg, {**SPLITS[split][1], 'model.remat': remat,
+                          'train.micro_batches': micro, 'sharding.zero': zero,
+                          'model.loss_chunk': chunk})
     c.mesh.update(dict(zip(MESH_AXES, sizes)))
-    c.model.remat, c.train.micro_batches = remat, micro
     if c.mesh.pipe > 1:
       c.pipeline.microbatches = 0  # the default, 2 × stages
     try:
       validate(c, dict(c.mesh))
     except ConfigError as e:
-      yield c, str(e)
+      yield c, split, str(e)
       continue
-    yield c, None
+    yield c, split, None
 
 
 def state_fits(c: ConfigDict, hardware: Hardware, devices) -> bool:
@@ -61,11 +99,11 @@ def state_fits(c: ConfigDict, hardware: Hardware, devices) -> bool:
   return shard_bytes(state) <= usable_memory(hardware)[0]
 
 
-def rank(cfg: ConfigDict, hardware: Hardware, remats, micro_batches, devices):
+def rank(cfg: ConfigDict, hardware: Hardware, space: Space, devices):
   """The candidates that fit, best first, as rows; and how many were left out, and why.
   `devices`: those to compile for (a GPU's, or CPU devices)."""
   rows, skipped = [], {'invalid': 0, 'state does not fit': 0, 'does not fit': 0}
-  for c, reason in candidates(cfg, len(devices), remats, micro_batches):
+  for c, split, reason in candidates(cfg, len(devices), space):
     if reason:
       skipped['invalid'] += 1
       continue
@@ -82,8 +120,9 @@ def rank(cfg: ConfigDict, hardware: Hardware, remats, micro_batches, devices):
       skipped['does not fit'] += 1
       continue
     rows.append({'config': c, 'mesh': report['mesh'], 'remat': c.model.remat,
-                 'micro_batches': c.train.micro_batches, 'memory': report['memory']['peak'],
-                 **report['prediction']})
+                 'micro_batches': c.train.micro_batches, 'zero': c.sharding.zero,
+                 'split': split, 'loss_chunk': c.model.loss_chunk,
+                 'memory': report['memory']['peak'], **report['prediction']})
   rows.sort(key=lambda r: r['step_s'])
   return rows, skipped
 
@@ -108,20 +147,23 @@ def measure(c: ConfigDict, steps: int, devices=None) -> float:
 
 def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -> str:
   program = program_text(devices[0].platform, len(devices), devices[0].device_kind,
-                                 is_compile_only(devices[0]))
+                         is_compile_only(devices[0]))
   lines = [f'{len(rows)} candidates fit {hardware.name} '
            f'({", ".join(f"{v} {k}" for k, v in skipped.items() if v) or "none left out"}); '
            f'{program}; predicted, best first:',
-           f'{"#":>3}  {"data":>4} {"fsdp":>4} {"pipe":>4} {"tensor":>6}  {"remat":5} {"micro":>5}  '
-           f'{"memory/device":>13}  {"step":>10}  {"tokens/s":>12}  {"MFU":>6}  '
-           f'{"compute":>7} {"bubble":>6} {"comm":>6}']
+           f'{"#":>3}  {"data":>4} {"fsdp":>4} {"pipe":>4} {"tensor":>6}  {"remat":15} '
+           f'{"micro":>5} {"zero":>4} {"split":5} {"chunk":>5}  {"memory/device":>13}  '
+           f'{"step":>10}  {"tokens/s":>12}  {"MFU":>6}  {"matmul":>6} {"memory":>6} '
+           f'{"comm":>6}']
   for i, r in enumerate(rows, 1):
     m, step = r['mesh'], r['step_s']
     lines.append(
         f'{i:>3}  {m["data"]:>4} {m["fsdp"]:>4} {m["pipe"]:>4} {m["tensor"]:>6}  '
-        f'{r["remat"]:5} {r["micro_batches"]:>5}  {size_text(r["memory"]):>13}  '
-        f'{seconds_text(step):>10}  {r["tokens_per_s"]:>12,.0f}  {r["mfu"]:>6.1%}  '
-        f'{r["compute_s"] / step:>7.0%} {r["bubble_s"] / step:>6.0%} '
-        f'{r["exposed_comm_s"] / step:>6.0%}')
+        f'{r["remat"]:15} {r["micro_batches"]:>5} {r["zero"]:>4} {r["split"]:5} '
+        f'{r["loss_chunk"]:>5}  {size_text(r["memory"]):>13}  {seconds_text(step):>10}  '
+        f'{r["tokens_per_s"]:>12,.0f}  {r["mfu"]:>6.1%}  '
+        f'{(r["gemm_s"] + r["attention_s"]) / step:>6.0%} '
+        f'{(r["memory_s"] + r["launch_s"]) / step:>6.0%} {r["exposed_comm_s"] / step:>6.0%}')
+  lines.append('matmul: GEMMs and attention; memory: memory-bound kernels and launches; comm: '
+               'communication not hidden behind kernels (shares of the step)')
   return '\n'.join(lines)
-

@@ -1,0 +1,434 @@
+"""A compiled GPU program's step time, kernel by kernel.
+
+Every instruction of the optimized HLO is one kernel (or none: tuples, bitcasts, parameters),
+timed from its own shapes on a hardware profile (`jaxllm.cost.hardware`):
+- GEMMs (Triton GEMM fusions, cuBLAS/cuBLASLt calls, plain dots): FLOPs at the rate XLA's own
+  measured table gives for that shape and element type (`hardware.gemm_rate`);
+- cuDNN attention, forward and backward: FLOPs (from the shapes, as `hlo.fused_attention`
+  counts them) at the profile's published kernel throughput;
+- every other fusion, copy or transpose: the larger of its bytes moved ÷ achieved memory
+  bandwidth and its FLOPs ÷ the CUDA cores' peak;
+- each kernel also pays a launch cost;
+- collectives: latency + bytes one device sends ÷ bus bandwidth, inside a node or across.
+
+The kernels then run, in program order (loops for their trip counts), on two streams as on
+the GPU: compute kernels one after another, and collectives in turn on a communication
+stream. An asynchronous collective starts when the compute stream reaches its start (and the
+previous collective is done) and the compute stream waits at its done: it is hidden by the
+kernels the schedule put between the two and exposed for the rest. A synchronous one stops
+both.
+
+What this leaves out: kernels' contention for memory bandwidth and SMs while a collective
+runs beside them, autotuning's choice of GEMM kernel (a deviceless compile does not autotune:
+the table's measured rate stands for the kernel a run would pick), and the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import re
+from typing import Callable
+
+from jaxllm.cost import hlo
+from jaxllm.cost.hardware import KernelRates
+
+# Instructions that launch nothing: they name, bundle or wait for values made elsewhere.
+NO_KERNEL = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
+             'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'domain',
+             'all-gather-done', 'all-reduce-done', 'collective-permute-done', 'async-done',
+             'async-update', 'reduce-scatter-done', 'all-to-all-done', 'copy-done', 'send-done',
+             'recv-done', 'while', 'conditional', 'call'}
+CATEGORIES = ('gemm', 'attention', 'memory', 'launch', 'exposed_comm')
+# Elementwise work per output element inside a fusion that the CUDA cores do (1 FLOP each).
+STRUCTURAL = NO_KERNEL | {'broadcast', 'reshape', 'transpose', 'slice', 'dynamic-slice',
+                          'dynamic-update-slice', 'concatenate', 'pad', 'iota', 'copy',
+                          'convert', 'gather', 'scatter', 'select', 'reverse'}
+
+
+@dataclasses.dataclass
+class Kernel:
+  """One instruction of the program as the GPU runs it, per execution."""
+  name: str
+  op: str           # the JAX operation that made it (its op_name), or its opcode
+  category: str     # 'gemm', 'attention', 'memory' or 'collective'
+  seconds: float    # per execution: work only, the launch cost apart
+  count: int = 0    # executions per step
+  flops: float = 0.0
+  bytes: float = 0.0
+
+
+@dataclasses.dataclass
+class Timing:
+  """Where a step's time goes (seconds per step): `by_category` sums to `step_s`, the
+  collectives' hidden time apart; `kernels`, every kernel with its executions per step."""
+  step_s: float
+  by_category: dict[str, float]
+  hidden_comm_s: float
+  comm_s: float
+  kernels: list[Kernel]
+
+  def top(self, k: int = 10) -> list[Kernel]:
+    """The `k` kernels (collectives included) that take the most time per step."""
+    return sorted(self.kernels, key=lambda x: -x.seconds * x.count)[:k]
+
+
+# --- one kernel's time -------------------------------------------------------------------
+
+def _fused(inst: hlo.Instruction) -> str | None:
+  m = re.search(r'calls=%?([\w.\-]+)', inst.attrs)
+  return m.group(1) if m else None
+
+
+def _op_name(inst: hlo.Instruction) -> str:
+  m = re.search(r'op_name="([^"]*)"', inst.attrs)
+  return m.group(1) if m else inst.opcode
+
+
+def _dot_shape(insts: dict, inst: hlo.Instruction) -> tuple[str, int, int, int, int] | None:
+  """(element types 'bf16xbf16->bf16', batch, m, n, k) of a `dot` or a cuBLAS call."""
+  if len(inst.operands) < 2 or inst.operands[0] not in insts or inst.operands[1] not in insts:
+    return None
+  config = inst.attrs.replace(' ', '')
+  dims = {}
+  for side in ('lhs', 'rhs'):
+    for what in ('contracting', 'batch'):
+      found = (re.search(rf'{side}_{what}_dims=\{{([\d,]*)\}}', inst.attrs)
+               or re.search(rf'"{side}_{what}_dimensions":\[([^\]]*)\]', config))
+      dims[side, what] = [int(d) for d in re.findall(r'\d+', found.group(1))] if found else []
+  (lt, lhs), (rt, rhs) = (hlo.arrays(insts[o].shape)[0] for o in inst.operands[:2])
+  out = hlo.arrays(inst.shape)[0][0]
+  batch = math.prod(lhs[d] for d in dims['lhs', 'batch'])
+  k = math.prod(lhs[d] for d in dims['lhs', 'contracting'])
+  free = lambda shape, side: math.prod(
+      n for d, n in enumerate(shape) if d not in dims[side, 'contracting'] + dims[side, 'batch'])
+  return f'{lt}x{rt}->{out}', batch, free(lhs, 'lhs'), free(rhs, 'rhs'), k
+
+
+def _dots_in(computations, comp: str):
+  """The dots of a fused computation, nested fusions included."""
+  for inst in computations.get(comp, {}).values():
+    if inst.opcode == 'dot':
+      yield computations[comp], inst
+    elif inst.opcode == 'fusion':
+      yield from _dots_in(computations, _fused(inst))
+
+
+def _gemm(rates: KernelRates, shapes) -> tuple[float, float]:
+  """(seconds, FLOPs) of GEMMs given as (types, batch, m, n, k)."""
+  seconds = flops = 0.0
+  for types, b, m, n, k in shapes:
+    work = 2.0 * b * m * n * k
+    flops += work
+    seconds += work / rates.gemm_rate(types, b, m, n, k)
+  return seconds, flops
+
+
+def _read_bytes(computations, comp: str, param: str, size: int, depth: int = 0) -> int:
+  """Bytes a fused computation reads of a parameter: only the slices it takes when every use
+  slices it, nothing of a buffer it updates in place, else all of it."""
+  users = [u for u in computations[comp].values() if param in u.operands]
+  if not users or depth > 8:
+    return size
+  total = 0
+  for u in users:
+    if u.opcode in ('dynamic-slice', 'slice', 'gather') and u.operands[0] == param:
+      total += hlo.nbytes(u.shape)
+    elif u.opcode == 'dynamic-update-slice' and u.operands[0] == param:
+      continue  # updated in place: only the update is written
+    elif u.opcode == 'bitcast':
+      total += _read_bytes(computations, comp, u.name, size, depth + 1)
+    else:
+      return size
+  return min(total, size)
+
+
+def _written_bytes(computations, comp: str, name: str) -> int:
+  """Bytes a fused computation writes for its value `name`: the update of an in-place
+  dynamic-update-slice, each element of a tuple, else the whole value."""
+  inst = computations[comp][name]
+  if inst.opcode == 'tuple':
+    return sum(_written_bytes(computations, comp, o) for o in inst.operands)
+  if inst.opcode == 'bitcast':
+    return _written_bytes(computations, comp, inst.operands[0])
+  if inst.opcode == 'dynamic-update-slice':
+    return hlo.nbytes(computations[comp][inst.operands[1]].shape)
+  return hlo.nbytes(inst.shape)
+
+
+def _fusion_traffic(computations, inst: hlo.Instruction, insts: dict) -> tuple[float, float]:
+  """(bytes read and written, CUDA-core FLOPs) of a fusion kernel."""
+  comp = _fused(inst)
+  body = computations[comp]
+  params = {int(i.args): i for i in body.values() if i.opcode == 'parameter'}
+  moved = sum(_read_bytes(computations, comp, params[i].name, hlo.nbytes(params[i].shape))
+              for i in params)
+  root = next(i for i in body.values() if i.is_root)
+  moved += _written_bytes(computations, comp, root.name)
+  flops = 0.0
+  for i in body.values():
+    if i.opcode not in STRUCTURAL and i.opcode != 'fusion':
+      operand = body.get(i.operands[0]) if i.operands else None
+      elements = hlo.arrays(operand.shape if i.opcode == 'reduce' and operand else i.shape)
+      flops += sum(math.prod(d) for _, d in elements)
+  return moved, flops
+
+
+def kernel_time(computations, comp: str, inst: hlo.Instruction,
+                rates: KernelRates) -> Kernel | None:
+  """`inst` as a kernel, or None when it launches none (or is a collective)."""
+  insts = computations[comp]
+  if inst.opcode in NO_KERNEL or hlo.collective_kind(inst) is not None:
+    return None
+  kernel = Kernel(inst.name, _op_name(inst), 'memory', 0.0)
+  target = re.search(r'custom_call_target="([^"]+)"', inst.attrs)
+  target = target.group(1) if target else ''
+  if inst.opcode == 'dot' or target.startswith('__cublas$'):
+    shape = _dot_shape(insts, inst)
+    kernel.category = 'gemm'
+    kernel.seconds, kernel.flops = _gemm(rates, [shape] if shape else [])
+    return kernel
+  if target.startswith('__cudnn$fmha'):
+    attention = hlo.attention_kernel(inst, 1, None)
+    kernel.category, kernel.flops = 'attention', attention.flops
+    kernel.seconds = attention.flops / rates.attention_rate(
+        attention.backward, attention.head_dim, attention.length, 'CAUSAL' in attention.mask)
+    return kernel
+  if inst.opcode == 'fusion':
+    dots = [_dot_shape(body, dot) for body, dot in _dots_in(computations, _fused(inst))]
+    if any(dots):
+      kernel.category = 'gemm'
+      kernel.seconds, kernel.flops = _gemm(rates, [d for d in dots if d])
+      return kernel
+    kernel.bytes, flops = _fusion_traffic(computations, inst, insts)
+  else:
+    written = hlo.nbytes(inst.shape)
+    if inst.opcode == 'dynamic-update-slice':
+      written = hlo.nbytes(insts[inst.operands[1]].shape)
+      read = written
+    elif inst.opcode in ('dynamic-slice', 'slice'):
+      read = written
+    else:
+      read = sum(hlo.nbytes(insts[o].shape) for o in inst.operands if o in insts)
+    kernel.bytes, flops = read + written, 0.0
+  kernel.flops = flops
+  kernel.seconds = max(rates.memory_seconds(kernel.bytes), flops / rates.vector_flops)
+  return kernel
+
+
+# --- collectives --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Transfer:
+  """One collective call: what it sends and how long that takes."""
+  name: str
+  kind: str
+  bytes: float
+  crosses_nodes: bool
+  seconds: float
+  asynchronous: bool
+
+
+def transfer(computations, inst: hlo.Instruction, rates: KernelRates, devices: int,
+             crosses: Callable[[list[list[int]] | None], bool]) -> Transfer | None:
+  """`inst` as a collective call, or None when it is none (or one device's)."""
+  found = inst
+  if inst.opcode == 'async-start':  # an asynchronous collective wraps a synchronous one
+    found = next((i for i in computations.get(_fused(inst), {}).values()
+                  if hlo.collective_kind(i) is not None), inst)
+  kind = hlo.collective_kind(found)
+  if kind is None:
+    return None
+  groups = hlo.device_groups(found.attrs)
+  size = 2 if kind == 'collective-permute' else (max(len(g) for g in groups) if groups
+                                                 else devices)
+  if size <= 1:
+    return None
+  sent = hlo.RING[kind](size) * hlo.nbytes(hlo.delivered(found))
+  across = crosses(groups)
+  bandwidth, latency = rates.link(kind, size, across)
+  return Transfer(inst.name, kind, sent, across, latency + sent / bandwidth,
+                  inst.opcode.endswith('-start'))
+
+
+# --- the two streams ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Streams:
+  compute: float = 0.0   # when the compute stream is free
+  comm: float = 0.0      # when the communication stream is free
+  pending: dict = dataclasses.field(default_factory=dict)  # collective id -> its end
+
+  def shift(self, seconds: float) -> None:
+    self.compute += seconds
+    self.comm += seconds
+    self.pending = {k: v + seconds for k, v in self.pending.items()}
+
+
+class Simulator:
+  """Runs a program's kernels on the two streams (see the module's docstring), tallying how
+  often each runs per step."""
+
+  def __init__(self, text: str, rates: KernelRates, devices: int,
+               crosses: Callable[[list[list[int]] | None], bool]):
+    self.computations, _ = hlo.program(text)
+    self.rates, self.devices, self.crosses = rates, devices, crosses
+    self.kernels: dict[tuple[str, str], Kernel | None] = {}
+    self.transfers: dict[tuple[str, str], Transfer | None] = {}
+    self.tally = collections.Counter()  # (computation, instruction) -> executions per step
+    self.ids = itertools.count()
+
+  def kernel(self, comp: str, inst: hlo.Instruction) -> Kernel | None:
+    key = (comp, inst.name)
+    if key not in self.kernels:
+      self.kernels[key] = kernel_time(self.computations, comp, inst, self.rates)
+    return self.kernels[key]
+
+  def transfer(self, comp: str, inst: hlo.Instruction) -> Transfer | None:
+    key = (comp, inst.name)
+    if key not in self.transfers:
+      self.transfers[key] = transfer(self.computations, inst, self.rates, self.devices,
+                                     self.crosses)
+    return self.transfers[key]
+
+  def run(self, comp: str, streams: Streams, argument=None, times: int = 1):
+    """Runs computation `comp` once, standing for `times` executions in the tally; returns
+    what its root carries of pending collectives (an id, or a list for a tuple)."""
+    carried = {}  # value name -> a pending collective's id, or a list of them for a tuple
+    for inst in self.computations[comp].values():
+      ops = inst.operands
+      first = carried.get(ops[0]) if ops else None
+      if inst.opcode == 'parameter':
+        carried[inst.name] = argument
+      elif inst.opcode == 'tuple':
+        carried[inst.name] = [carried.get(o) for o in ops]
+      elif inst.opcode == 'get-tuple-element':
+        index = int(re.search(r'index=(\d+)', inst.attrs).group(1))
+        carried[inst.name] = first[index] if isinstance(first, list) else None
+      elif inst.opcode in ('bitcast', 'opt-barrier') or (inst.opcode == 'copy' and first):
+        carried[inst.name] = first
+      elif inst.opcode == 'while':
+        carried[inst.name] = self.loop(inst, streams, first, times)
+      elif inst.opcode in ('call', 'conditional'):
+        carried[inst.name] = self.call(inst, streams, first, times)
+      elif inst.opcode.endswith('-done'):
+        for i in first if isinstance(first, list) else [first]:
+          if i in streams.pending:
+            streams.compute = max(streams.compute, streams.pending.pop(i))
+      elif (t := self.transfer(comp, inst)) is not None:
+        self.tally[comp, inst.name] += times
+        streams.comm = max(streams.compute, streams.comm) + t.seconds
+        if t.asynchronous:
+          carried[inst.name] = next(self.ids)
+          streams.pending[carried[inst.name]] = streams.comm
+        else:
+          streams.compute = streams.comm
+      elif (k := self.kernel(comp, inst)) is not None:
+        self.tally[comp, inst.name] += times
+        streams.compute += k.seconds + self.rates.launch_s
+    root = next((i for i in self.computations[comp].values() if i.is_root), None)
+    return carried.get(root.name) if root else None
+
+  def loop(self, inst: hlo.Instruction, streams: Streams, argument, times: int):
+    """A while loop: its first two iterations run, the second standing for all but the first;
+    the rest of the loop takes, per iteration, the longer of what the second took on either
+    stream (the stream that limits a steady loop)."""
+    body = re.search(r'body=%?([\w.\-]+)', inst.attrs).group(1)
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+    trips = int(trips.group(1)) if trips else 1
+    carried = self.run(body, streams, argument, times)
+    if trips > 1:
+      before = (streams.compute, streams.comm)
+      carried = self.run(body, streams, carried, times * (trips - 1))
+      streams.shift((trips - 2) * max(streams.compute - before[0], streams.comm - before[1]))
+    return carried
+
+  def call(self, inst: hlo.Instruction, streams: Streams, argument, times: int):
+    """A call runs its computation; a conditional, the branch that takes longest."""
+    names = re.findall(r'(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)',
+                       inst.attrs)
+    branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
+    names += re.findall(r'%?([\w.\-]+)', branches.group(1)) if branches else []
+    best = None
+    for name in names:
+      trial = Streams(streams.compute, streams.comm, dict(streams.pending))
+      tally, self.tally = self.tally, collections.Counter()
+      carried = self.run(name, trial, argument, times)
+      trial_tally, self.tally = self.tally, tally
+      if best is None or trial.compute > best[0].compute:
+        best = trial, trial_tally, carried
+    if best is None:
+      return None
+    trial, tally, carried = best
+    streams.compute, streams.comm, streams.pending = trial.compute, trial.comm, trial.pending
+    self.tally.update(tally)
+    return carried
+
+
+def step_time(text: str, rates: KernelRates, devices: int,
+              crosses: Callable[[list[list[int]] | None], bool]) -> Timing:
+  """The program's step time for `devices` devices whose kernels run at `rates`;
+  `crosses(device groups)` says whether a collective's groups span nodes (None: every
+  device)."""
+  sim = Simulator(text, rates, devices, crosses)
+  streams = Streams()
+  sim.run(hlo.parse_module(text)[1], streams)
+  step = max([streams.compute, streams.comm, *streams.pending.values()])
+  by_category = dict.fromkeys(CATEGORIES, 0.0)
+  kernels, comm = [], 0.0
+  for key, count in sim.tally.items():
+    if (k := sim.kernels.get(key)) is not None:
+      kernels.append(dataclasses.replace(k, count=count))
+      by_category[k.category] += k.seconds * count
+      by_category['launch'] += rates.launch_s * count
+    elif (t := sim.transfers.get(key)) is not None:
+      comm += t.seconds * count
+      kernels.append(Kernel(t.name, t.kind, 'collective', t.seconds, count, 0.0, t.bytes))
+  busy = sum(by_category.values())
+  by_category['exposed_comm'] = max(0.0, step - busy)
+  return Timing(busy + by_category['exposed_comm'], by_category,
+                max(0.0, comm - by_category['exposed_comm']), comm, kernels)
+
+
+def node_crossing(devices_per_node: int, devices: int):
+  """`crosses` for a program whose partitions are devices numbered `devices_per_node` to a
+  node."""
+  def crosses(groups):
+    if groups is None:
+      return devices > devices_per_node
+    return any(len({d // devices_per_node for d in g}) > 1 for g in groups)
+  return crosses
+
+
+LABELS = {'gemm': 'GEMMs', 'attention': 'attention', 'memory': 'memory-bound',
+          'launch': 'launches', 'exposed_comm': 'exposed comm'}
+
+
+def summary(t: Timing, top: int = 10) -> dict:
+  """A timing as a JSON-ready dict: the step, its categories (`<category>_s`), the
+  collectives' total and hidden time, kernel launches, and the `top` kernels."""
+  launches = sum(k.count for k in t.kernels if k.category != 'collective')
+  return {'step_s': t.step_s, **{f'{c}_s': t.by_category[c] for c in CATEGORIES},
+          'comm_s': t.comm_s, 'hidden_comm_s': t.hidden_comm_s, 'kernel_launches': launches,
+          'top_kernels': [{'name': k.name, 'op': k.op, 'category': k.category, 'count': k.count,
+                           'seconds': k.seconds * k.count, 'flops': k.flops * k.count,
+                           'bytes': k.bytes * k.count} for k in t.top(top)]}
+
+
+def breakdown_lines(p: dict) -> list[str]:
+  """Where a predicted step's time goes, and its most expensive kernels, as text."""
+  step = p['step_s']
+  lines = []
+  for c in CATEGORIES:
+    note = {'launch': f'{p["kernel_launches"]:,} kernels',
+            'exposed_comm': f'of {p["comm_s"] * 1e3:,.2f} ms of collectives, '
+                            f'{p["hidden_comm_s"] * 1e3:,.2f} ms hidden behind kernels'}.get(c, '')
+    lines.append(f'  {LABELS[c]:13} {p[f"{c}_s"] * 1e3:>10,.2f} ms {p[f"{c}_s"] / step:>6.1%}'
+                 + (f'   {note}' if note else ''))
+  lines.append(f'  the {len(p["top_kernels"])} most expensive kernels (per step):')
+  for k in p['top_kernels']:
+    lines.append(f'  {k["seconds"] * 1e3:>10,.2f} ms {k["seconds"] / step:>6.1%}  '
+                 f'×{k["count"]:<5,} {k["category"]:10} {k["op"]}')
+  return lines

@@ -1,0 +1,191 @@
+"""The timing model on small programs written out by hand, each timed by hand here from the
+profile's rates: kernels in program order, loops for their trip counts, collectives hidden by
+the kernels between their start and done and exposed for the rest. (On compiled programs:
+test_gpu_program and test_analyze.)"""
+
+import pytest
+
+from jaxllm.cost import timing
+from jaxllm.cost.hardware import PROFILES
+
+RATES = PROFILES['h100-nvlink'].rates
+LAUNCH = RATES.launch_s
+N = 1024  # GEMMs of N×N×N: a point of XLA's measured table, 252.8 TFLOP/s on an H100
+GEMM = 2 * N**3 / 252.8e12
+
+COMPUTATIONS = f"""HloModule m, is_scheduled=true
+
+%gemm (p0: bf16[{N},{N}], p1: bf16[{N},{N}]) -> bf16[{N},{N}] {{
+  %p0 = bf16[{N},{N}]{{1,0}} parameter(0)
+  %p1 = bf16[{N},{N}]{{1,0}} parameter(1)
+  ROOT %dot = bf16[{N},{N}]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%sum (x: f32[], y: f32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add = f32[] add(%x, %y)
+}}
+"""
+
+
+def program(entry: str, extra: str = '') -> str:
+  """A module of the computations above, `extra` ones and an entry of `entry`'s lines."""
+  return f'{COMPUTATIONS}{extra}\nENTRY %main () -> bf16[{N},{N}] {{\n{entry}\n}}\n'
+
+
+def gather(devices: int = 8) -> str:
+  """An all-gather of the weight over `devices`, started, a GEMM between, then done."""
+  group = ','.join(str(i) for i in range(devices))
+  rows = N // devices
+  return f"""  %a = bf16[{N},{N}]{{1,0}} parameter(0)
+  %w = bf16[{rows},{N}]{{1,0}} parameter(1)
+  %ag = (bf16[{rows},{N}]{{1,0}}, bf16[{N},{N}]{{1,0}}) all-gather-start(%w), channel_id=1, replica_groups={{{{{group}}}}}, dimensions={{0}}, use_global_device_ids=true
+  %k1 = bf16[{N},{N}]{{1,0}} fusion(%a, %a), kind=kCustom, calls=%gemm
+  %agd = bf16[{N},{N}]{{1,0}} all-gather-done(%ag)
+  ROOT %k2 = bf16[{N},{N}]{{1,0}} fusion(%agd, %a), kind=kCustom, calls=%gemm"""
+
+
+def step(text: str, devices: int = 8) -> timing.Timing:
+  return timing.step_time(text, RATES, devices, timing.node_crossing(8, devices))
+
+
+def test_a_gemm_takes_its_flops_at_the_measured_rate():
+  t = step(program(gather()))
+  assert t.by_category['gemm'] == pytest.approx(2 * GEMM)
+  assert t.by_category['launch'] == pytest.approx(2 * LAUNCH)
+  assert [k.count for k in t.kernels if k.category == 'gemm'] == [1, 1]
+
+
+@pytest.mark.parametrize('devices', [8, 16], ids=['inside a node', 'across nodes'])
+def test_a_collective_is_exposed_for_what_the_kernels_between_do_not_hide(devices):
+  t = step(program(gather(devices)), devices)
+  bandwidth, latency = ((352e9, 10e-6) if devices == 8 else (47e9, 20e-6))
+  sent = (devices - 1) / devices * N * N * 2  # bytes one device sends to gather N×N bf16
+  gathered = latency + sent / bandwidth
+  assert t.comm_s == pytest.approx(gathered)
+  exposed = max(0.0, gathered - (GEMM + LAUNCH))  # the first GEMM runs meanwhile
+  assert exposed > 0
+  assert t.by_category['exposed_comm'] == pytest.approx(exposed)
+  assert t.step_s == pytest.approx(2 * (GEMM + LAUNCH) + exposed)
+  assert t.hidden_comm_s == pytest.approx(gathered - exposed)
+
+
+def test_a_collective_with_enough_work_between_is_hidden():
+  between = '\n'.join(f'  %k{i}b = bf16[{N},{N}]{{1,0}} fusion(%a, %a), kind=kCustom, calls=%gemm'
+                      for i in range(3))
+  text = program(gather().replace('  %agd', between + '\n  %agd'))
+  t = step(text)
+  assert 3 * GEMM > t.comm_s  # the gather takes less than the work scheduled beside it
+  assert t.by_category['exposed_comm'] == 0
+  assert t.step_s == pytest.approx(5 * (GEMM + LAUNCH))
+
+
+def test_a_synchronous_all_reduce_stops_the_kernels():
+  entry = f"""  %a = bf16[{N},{N}]{{1,0}} parameter(0)
+  %x = f32[262144]{{0}} parameter(1)
+  %ar = f32[262144]{{0}} all-reduce(%x), channel_id=1, replica_groups={{{{0,1,2,3}}}}, use_global_device_ids=true, to_apply=%sum
+  ROOT %k = bf16[{N},{N}]{{1,0}} fusion(%a, %a), kind=kCustom, calls=%gemm"""
+  t = step(program(entry))
+  reduced = 10e-6 + 2 * 3 / 4 * 262144 * 4 / 302e9  # ring all-reduce over 4 GPUs
+  assert t.by_category['exposed_comm'] == pytest.approx(reduced)
+  assert t.step_s == pytest.approx(reduced + GEMM + LAUNCH)
+
+
+LOOP = f"""
+%body (s: (s32[], bf16[{N},{N}])) -> (s32[], bf16[{N},{N}]) {{
+  %s = (s32[], bf16[{N},{N}]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %v = bf16[{N},{N}]{{1,0}} get-tuple-element(%s), index=1
+  %k = bf16[{N},{N}]{{1,0}} fusion(%v, %v), kind=kCustom, calls=%gemm
+  ROOT %t = (s32[], bf16[{N},{N}]{{1,0}}) tuple(%i, %k)
+}}
+
+%cond (c: (s32[], bf16[{N},{N}])) -> pred[] {{
+  %c = (s32[], bf16[{N},{N}]{{1,0}}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}}
+"""
+
+
+def test_a_loop_runs_its_body_for_its_trip_count():
+  entry = f"""  %a = bf16[{N},{N}]{{1,0}} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[{N},{N}]{{1,0}}) tuple(%zero, %a)
+  %loop = (s32[], bf16[{N},{N}]{{1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"7"}}}}
+  ROOT %out = bf16[{N},{N}]{{1,0}} get-tuple-element(%loop), index=1"""
+  t = step(program(entry, LOOP))
+  assert t.step_s == pytest.approx(7 * (GEMM + LAUNCH))
+  assert [k.count for k in t.kernels] == [7]
+
+
+def test_a_collective_started_in_one_iteration_is_waited_for_in_the_next():
+  """XLA pipelines a loop's collectives: the start carried to the next iteration's done."""
+  body = f"""
+%body (s: (bf16[{N},{N}], (bf16[128,{N}], bf16[{N},{N}]))) -> (bf16[{N},{N}], (bf16[128,{N}], bf16[{N},{N}])) {{
+  %s = (bf16[{N},{N}]{{1,0}}, (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}})) parameter(0)
+  %v = bf16[{N},{N}]{{1,0}} get-tuple-element(%s), index=0
+  %prev = (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}}) get-tuple-element(%s), index=1
+  %w = bf16[{N},{N}]{{1,0}} all-gather-done(%prev)
+  %part = bf16[128,{N}]{{1,0}} slice(%w), slice={{[0:128], [0:{N}]}}
+  %next = (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}}) all-gather-start(%part), channel_id=1, replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}, use_global_device_ids=true
+  %k = bf16[{N},{N}]{{1,0}} fusion(%v, %w), kind=kCustom, calls=%gemm
+  ROOT %t = (bf16[{N},{N}]{{1,0}}, (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}})) tuple(%k, %next)
+}}
+
+%cond (c: (bf16[{N},{N}], (bf16[128,{N}], bf16[{N},{N}]))) -> pred[] {{
+  %c = (bf16[{N},{N}]{{1,0}}, (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}})) parameter(0)
+  ROOT %p = pred[] constant(true)
+}}
+"""
+  entry = f"""  %a = bf16[{N},{N}]{{1,0}} parameter(0)
+  %w = bf16[128,{N}]{{1,0}} parameter(1)
+  %first = (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}}) all-gather-start(%w), channel_id=2, replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}, use_global_device_ids=true
+  %init = (bf16[{N},{N}]{{1,0}}, (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}})) tuple(%a, %first)
+  %loop = (bf16[{N},{N}]{{1,0}}, (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}})) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"5"}}}}
+  ROOT %out = bf16[{N},{N}]{{1,0}} get-tuple-element(%loop), index=0"""
+  t = step(program(entry, body))
+  gathered = 10e-6 + 7 / 8 * N * N * 2 / 352e9
+  sliced = RATES.memory_seconds(2 * 128 * N * 2) + LAUNCH  # reads and writes 128 rows
+  assert gathered > GEMM + LAUNCH  # so the gathers set the pace
+  # Gathers and slices alternate: the first gather, then in each of the 5 iterations a
+  # slice of the last gather and the next gather (the GEMMs run beside them); the last one
+  # started is never waited for, and still counts.
+  assert t.step_s == pytest.approx(6 * gathered + 5 * sliced)
+  assert t.comm_s == pytest.approx(6 * gathered)
+  assert {k.name: k.count for k in t.kernels} == {'first': 1, 'next': 5, 'part': 5, 'k': 5}
+
+
+DUS = f"""
+%update (buffer: f32[32,{N},{N}], row: f32[1,{N},{N}], i: s32[]) -> f32[32,{N},{N}] {{
+  %buffer = f32[32,{N},{N}]{{2,1,0}} parameter(0)
+  %row = f32[1,{N},{N}]{{2,1,0}} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[32,{N},{N}]{{2,1,0}} dynamic-update-slice(%buffer, %row, %i, %z, %z)
+}}
+
+%take (buffer: f32[32,{N},{N}], i: s32[]) -> bf16[1,{N},{N}] {{
+  %buffer = f32[32,{N},{N}]{{2,1,0}} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,{N},{N}]{{2,1,0}} dynamic-slice(%buffer, %i, %z, %z), dynamic_slice_sizes={{1,{N},{N}}}
+  ROOT %c = bf16[1,{N},{N}]{{2,1,0}} convert(%ds)
+}}
+"""
+
+
+def test_memory_kernels_move_only_what_they_touch():
+  """A stack updated in place writes one row; a row sliced out of a stack reads one row."""
+  entry = f"""  %stack = f32[32,{N},{N}]{{2,1,0}} parameter(0)
+  %row = f32[1,{N},{N}]{{2,1,0}} parameter(1)
+  %i = s32[] parameter(2)
+  %u = f32[32,{N},{N}]{{2,1,0}} fusion(%stack, %row, %i), kind=kLoop, calls=%update
+  ROOT %t = bf16[1,{N},{N}]{{2,1,0}} fusion(%u, %i), kind=kLoop, calls=%take"""
+  t = step(program(entry, DUS))
+  moved = {k.name: k.bytes for k in t.kernels}
+  row = N * N * 4
+  index = 4  # the s32 row number each reads
+  assert moved == {'u': 2 * row + index, 't': row + row // 2 + index}  # f32 row; bf16 row out
+  assert t.by_category['memory'] == pytest.approx(
+      RATES.memory_seconds(2 * row + index) + RATES.memory_seconds(1.5 * row + index))
