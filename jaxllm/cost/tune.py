@@ -80,6 +80,12 @@ def candidates(cfg: ConfigDict, devices: int, space: Space):
     c.mesh.update(dict(zip(MESH_AXES, sizes)))
     if c.mesh.pipe > 1:
       c.pipeline.microbatches = 0  # the default, 2 × stages
+    # The axes a split puts the sequence over: one of size 1 makes a program another split
+    # (or none) already makes.
+    seq_axes = {a for path, rule in SPLITS[split][1].items() if path.endswith('seq') for a in rule}
+    if any(c.mesh[a] == 1 for a in seq_axes):
+      yield c, split, f'{split} splits the sequence over an axis of size 1'
+      continue
     try:
       validate(c, dict(c.mesh))
     except ConfigError as e:
