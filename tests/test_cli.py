@@ -19,6 +19,7 @@ from conftest import REPO, run_cli, small_config
 from jaxllm import train
 from jaxllm.cli import load_config, parse_command_line
 from jaxllm.config import ConfigError
+from jaxllm.cost import tune
 from jaxllm.metrics import MetricsLog
 from jaxllm.validate import validate
 
@@ -349,14 +350,7 @@ ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)
 
 def with_fields(overrides: dict):
   """`small_config` with dotted fields set, as --config.a.b=v would set them."""
-  cfg = small_config()
-  for path, value in overrides.items():
-    *sections, name = path.split('.')
-    node = cfg
-    for section in sections:
-      node = node[section]
-    node[name] = value
-  return cfg
+  return tune.with_fields(small_config(), overrides)
 
 
 @pytest.mark.parametrize('overrides, message', BAD_NUMBERS, ids=[str(o) for o, _ in BAD_NUMBERS])

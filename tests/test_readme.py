@@ -609,3 +609,9 @@ def test_analyze_and_tune_as_printed(key, tmp_path):
   devices = 64 if '--devices 64' in key else 8
   assert f"XLA's program for {devices} × NVIDIA H100 80GB HBM3" in out
   assert re.search(r'^  peak .* fits the 59.74 GiB', out, re.M), out
+  # where the predicted step goes, and its most expensive kernels, as the README says
+  assert re.search(r'^predicted on h100-nvlink: step [\d,.]+ ms, [\d,]+ tokens/s, MFU', out, re.M)
+  for part in ('GEMMs', 'attention', 'memory-bound', 'launches', 'exposed comm'):
+    assert re.search(rf'^  {part} +[\d,.]+ ms +[\d.]+%', out, re.M), (part, out)
+  assert len(re.findall(r'^ +[\d,.]+ ms +[\d.]+%  ×\d+ +(gemm|attention|memory|collective) ',
+                        out, re.M)) == 10, out

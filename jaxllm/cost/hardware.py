@@ -1,4 +1,5 @@
-"""Hardware profiles: what predictions need (peak FLOP/s, memory, link bandwidths) and, for a
+"""Hardware profiles: what predictions need (memory, and the measured rates the timing model
+times kernels and collectives with, `KernelRates`, each with its public source) and, for a
 GPU, what XLA's GPU compiler needs to know of the device to compile for it without one
 (`jaxllm.backends.gpu_devices`); and the devices' peak FLOP/s, which MFU divides by.
 """
@@ -179,6 +180,8 @@ def _interpolate(table, point: list[float]) -> float:
 
 
 # H100 SXM (and H200, the same GH100 compute beside faster memory):
+# - GEMMs: XLA's measured H100 table (`gemm_rates`); attention: H100_ATTENTION (the H200's SMs
+#   and clocks are the H100's: neither has figures of its own);
 # - peak FP8 1979 TFLOP/s dense, CUDA cores 67 TFLOP/s FP32: NVIDIA's H100 datasheet;
 # - memory: the datasheet's 3.35 / 4.8 TB/s at the shares XLA measured on Hopper by size
 #   (HOPPER_MEMORY_CURVE; 0.948 at the largest);

@@ -376,19 +376,29 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list
 # --xla_gpu_enable_triton_gemm=false; FP8 GEMMs too) is a custom call whose first output is the
 # product and whose backend config carries the dot's dimension numbers.
 CUBLAS_TARGET = re.compile(r'custom_call_target="__cublas\$')
-CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-DOT_CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
 
 
-def _contracting(inst: Instruction) -> list[int] | None:
-  """The lhs contracting dimensions of a `dot` or of a cuBLAS GEMM call; None for other ops."""
-  if inst.opcode == 'dot':
-    found = DOT_CONTRACTING.search(inst.attrs)
-  elif inst.opcode == 'custom-call' and CUBLAS_TARGET.search(inst.attrs):
-    found = CUBLAS_CONTRACTING.search(inst.attrs)
-  else:
+def gemm_shape(insts: dict[str, Instruction], inst: Instruction
+               ) -> tuple[str, int, int, int, int] | None:
+  """(element types such as 'bf16xbf16->f32', batch, m, n, k) of a `dot` or a cuBLAS GEMM call
+  in a computation of instructions `insts`; None for any other op."""
+  is_cublas = inst.opcode == 'custom-call' and CUBLAS_TARGET.search(inst.attrs)
+  if not (inst.opcode == 'dot' or is_cublas) or len(inst.operands) < 2 or not all(
+      o in insts for o in inst.operands[:2]):
     return None
-  return None if found is None else [int(d) for d in re.findall(r'\d+', found.group(1))]
+  config = inst.attrs.replace(' ', '')  # a cuBLAS call's JSON backend config, spaces dropped
+  dims = {}
+  for side in ('lhs', 'rhs'):
+    for what in ('contracting', 'batch'):
+      found = (re.search(rf'{side}_{what}_dims=\{{([\d,]*)\}}', inst.attrs)
+               or re.search(rf'"{side}_{what}_dimensions":\[([^\]]*)\]', config))
+      dims[side, what] = [int(d) for d in re.findall(r'\d+', found.group(1))] if found else []
+  (lhs_type, lhs), (rhs_type, rhs) = (arrays(insts[o].shape)[0] for o in inst.operands[:2])
+  free = lambda shape, side: math.prod(
+      n for d, n in enumerate(shape) if d not in dims[side, 'contracting'] + dims[side, 'batch'])
+  return (f'{lhs_type}x{rhs_type}->{arrays(inst.shape)[0][0]}',
+          math.prod(lhs[d] for d in dims['lhs', 'batch']), free(lhs, 'lhs'), free(rhs, 'rhs'),
+          math.prod(lhs[d] for d in dims['lhs', 'contracting']))
 
 
 def _dots(hlo_text: str):
@@ -397,14 +407,9 @@ def _dots(hlo_text: str):
   computations, counts = program(hlo_text)
   for comp, insts in computations.items():
     for inst in insts.values() if counts.get(comp) else ():
-      contracting = _contracting(inst)
-      lhs = insts.get(inst.operands[0]) if inst.operands else None
-      if contracting is None or lhs is None:
-        continue
-      dims = arrays(lhs.shape)[0][1]
-      k = math.prod(dims[d] for d in contracting)
-      # A cuBLAS call returns (product, workspace): the product is the first array.
-      yield comp, inst, counts[comp] * 2 * math.prod(arrays(inst.shape)[0][1]) * k
+      if shape := gemm_shape(insts, inst):
+        _, batch, m, n, k = shape
+        yield comp, inst, counts[comp] * 2 * batch * m * n * k
 
 
 def dot_flops(hlo_text: str) -> float:

@@ -3,11 +3,12 @@
 Every instruction of the optimized HLO is one kernel (or none: tuples, bitcasts, parameters),
 timed from its own shapes on a hardware profile (`jaxllm.cost.hardware`):
 - GEMMs (Triton GEMM fusions, cuBLAS/cuBLASLt calls, plain dots): FLOPs at the rate XLA's own
-  measured table gives for that shape and element type (`hardware.gemm_rate`);
+  measured table gives for that shape and element type (`KernelRates.gemm_rate`);
 - cuDNN attention, forward and backward: FLOPs (from the shapes, as `hlo.fused_attention`
   counts them) at the profile's published kernel throughput;
-- every other fusion, copy or transpose: the larger of its bytes moved ÷ achieved memory
-  bandwidth and its FLOPs ÷ the CUDA cores' peak;
+- every other fusion, copy or transpose: the larger of its bytes read and written at the
+  memory bandwidth measured for a transfer of that size, and its FLOPs at the CUDA cores'
+  peak;
 - each kernel also pays a launch cost;
 - collectives: latency + bytes one device sends ÷ bus bandwidth, inside a node or across.
 
@@ -42,7 +43,8 @@ NO_KERNEL = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', '
              'async-update', 'reduce-scatter-done', 'all-to-all-done', 'copy-done', 'send-done',
              'recv-done', 'while', 'conditional', 'call'}
 CATEGORIES = ('gemm', 'attention', 'memory', 'launch', 'exposed_comm')
-# Elementwise work per output element inside a fusion that the CUDA cores do (1 FLOP each).
+# Ops inside a fusion that move or reshape values and compute nothing; every other op is one
+# FLOP per element on the CUDA cores.
 STRUCTURAL = NO_KERNEL | {'broadcast', 'reshape', 'transpose', 'slice', 'dynamic-slice',
                           'dynamic-update-slice', 'concatenate', 'pad', 'iota', 'copy',
                           'convert', 'gather', 'scatter', 'select', 'reverse'}
@@ -85,26 +87,6 @@ def _fused(inst: hlo.Instruction) -> str | None:
 def _op_name(inst: hlo.Instruction) -> str:
   m = re.search(r'op_name="([^"]*)"', inst.attrs)
   return m.group(1) if m else inst.opcode
-
-
-def _dot_shape(insts: dict, inst: hlo.Instruction) -> tuple[str, int, int, int, int] | None:
-  """(element types 'bf16xbf16->bf16', batch, m, n, k) of a `dot` or a cuBLAS call."""
-  if len(inst.operands) < 2 or inst.operands[0] not in insts or inst.operands[1] not in insts:
-    return None
-  config = inst.attrs.replace(' ', '')
-  dims = {}
-  for side in ('lhs', 'rhs'):
-    for what in ('contracting', 'batch'):
-      found = (re.search(rf'{side}_{what}_dims=\{{([\d,]*)\}}', inst.attrs)
-               or re.search(rf'"{side}_{what}_dimensions":\[([^\]]*)\]', config))
-      dims[side, what] = [int(d) for d in re.findall(r'\d+', found.group(1))] if found else []
-  (lt, lhs), (rt, rhs) = (hlo.arrays(insts[o].shape)[0] for o in inst.operands[:2])
-  out = hlo.arrays(inst.shape)[0][0]
-  batch = math.prod(lhs[d] for d in dims['lhs', 'batch'])
-  k = math.prod(lhs[d] for d in dims['lhs', 'contracting'])
-  free = lambda shape, side: math.prod(
-      n for d, n in enumerate(shape) if d not in dims[side, 'contracting'] + dims[side, 'batch'])
-  return f'{lt}x{rt}->{out}', batch, free(lhs, 'lhs'), free(rhs, 'rhs'), k
 
 
 def _dots_in(computations, comp: str):
@@ -185,10 +167,9 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction,
   kernel = Kernel(inst.name, _op_name(inst), 'memory', 0.0)
   target = re.search(r'custom_call_target="([^"]+)"', inst.attrs)
   target = target.group(1) if target else ''
-  if inst.opcode == 'dot' or target.startswith('__cublas$'):
-    shape = _dot_shape(insts, inst)
+  if shape := hlo.gemm_shape(insts, inst):
     kernel.category = 'gemm'
-    kernel.seconds, kernel.flops = _gemm(rates, [shape] if shape else [])
+    kernel.seconds, kernel.flops = _gemm(rates, [shape])
     return kernel
   if target.startswith('__cudnn$fmha'):
     attention = hlo.attention_kernel(inst, 1, None)
@@ -197,7 +178,7 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction,
         attention.backward, attention.head_dim, attention.length, 'CAUSAL' in attention.mask)
     return kernel
   if inst.opcode == 'fusion':
-    dots = [_dot_shape(body, dot) for body, dot in _dots_in(computations, _fused(inst))]
+    dots = [hlo.gemm_shape(body, dot) for body, dot in _dots_in(computations, _fused(inst))]
     if any(dots):
       kernel.category = 'gemm'
       kernel.seconds, kernel.flops = _gemm(rates, [d for d in dots if d])
