@@ -565,6 +565,27 @@ def test_context_and_sequence_parallelism_together_move_what_each_does_alone(tin
   assert both_bytes[('fsdp', 'tensor')] < 0.01 * both_bytes[('fsdp',)]
 
 
+def test_each_weight_is_gathered_once_per_pass_whatever_the_remat_policy(h100s):
+  """The backward gathers each layer's weights once, whether it reruns the forward (remat)
+  or keeps its activations: the rerun forward and the matmuls of the gradients share the
+  weight as the matmul took it. So every policy moves what `dots` does over fsdp (bf16
+  weights once forward, once backward; fp32 gradients once)."""
+  def fsdp_traffic(remat):
+    cfg = tiny(remat=remat)
+    cfg.mesh.update(data=1, fsdp=8, pipe=1, tensor=1)
+    c = compile_step(cfg, h100s)
+    moved = collections.Counter()
+    for x in hlo.collectives(c.text, c.mesh_shape, cpu=False):
+      if x.axes == ('fsdp',) and x.kind == 'all-gather':
+        moved['count'] += x.count
+        moved[x.dtype] += x.bytes
+    return moved
+  kept = fsdp_traffic('dots')
+  assert kept['bf16'] > 0
+  for remat in ('full', 'dots_except_mlp', 'attention'):
+    assert fsdp_traffic(remat) == kept, remat
+
+
 @pytest.mark.parametrize('options', [{}, {'xla_gpu_enable_triton_gemm': False}],
                          ids=['default', 'triton_gemm_off'])
 def test_cublas_gemms_count_their_flops(options, h100s):

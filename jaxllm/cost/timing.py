@@ -20,8 +20,10 @@ kernels the schedule put between the two and exposed for the rest. A synchronous
 both.
 
 What this leaves out: kernels' contention for memory bandwidth and SMs while a collective
-runs beside them, autotuning's choice of GEMM kernel (a deviceless compile does not autotune:
-the table's measured rate stands for the kernel a run would pick), and the host.
+runs beside them, the clocks a GPU sustains through a whole step (the rates are those of
+kernels measured alone), autotuning's choice of GEMM kernel (a deviceless compile does not
+autotune: the table's measured rate stands for the kernel a run would pick), and the host. A
+loop whose trip count XLA does not know is run once.
 """
 
 from __future__ import annotations

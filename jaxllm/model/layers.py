@@ -66,9 +66,11 @@ def apply_rope(x_BTnH, positions_BT, inv_freq):
 
 def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None):
   """`jnp.einsum(spec, x, w)` on x's dtype, w cast to it first (so an fsdp gather moves that
-  dtype), giving `out_dtype` (default x's). The backward runs both matmuls on x's dtype too and
-  makes w's gradient in `grad_dtype`: the gradient is summed over the devices that split the
-  batch straight out of its matmul, so this is the element type of that reduction.
+  dtype), giving `out_dtype` (default x's). The backward runs both matmuls on x's dtype too,
+  on the weight as the forward's matmul took it (one gather per pass, whatever the remat
+  policy), and makes w's gradient in `grad_dtype` (w's own dtype is `w_dtype`): the gradient
+  is summed over the devices that split the batch straight out of its matmul, so this is the
+  element type of that reduction.
   The output is named 'projection' for the remat policies (REMAT).
 
   `w_names`, w's logical axes: where the sequence is split over an axis that also splits w
@@ -76,8 +78,8 @@ def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None):
   weights; left to itself XLA may gather the activations instead, a whole sequence each."""
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   gathered = _gathered_over_sequence(w_names) if w_names else None
-  return checkpoint_name(_project(spec, jnp.dtype(grad_dtype), out_dtype, gathered, x, w),
-                         'projection')
+  return checkpoint_name(_project(spec, jnp.dtype(grad_dtype), out_dtype, gathered,
+                                  jnp.dtype(w.dtype), x, w), 'projection')
 
 
 def _gathered_over_sequence(w_names) -> P | None:
@@ -95,26 +97,30 @@ def _in_compute_layout(w, x_dtype, gathered):
   return w if gathered is None else jax.lax.with_sharding_constraint(w, gathered)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _project(spec, grad_dtype, out_dtype, gathered, x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _project(spec, grad_dtype, out_dtype, gathered, w_dtype, x, w):
   return jnp.einsum(spec, x, _in_compute_layout(w, x.dtype, gathered),
                     preferred_element_type=out_dtype)
 
 
-def _project_fwd(spec, grad_dtype, out_dtype, gathered, x, w):
-  return _project(spec, grad_dtype, out_dtype, gathered, x, w), (x, w)
+def _project_fwd(spec, grad_dtype, out_dtype, gathered, w_dtype, x, w):
+  # The backward takes the weight as the matmul took it (cast, gathered by fsdp): under a remat
+  # policy, which never keeps it, the rerun forward and the backward's matmuls share one
+  # gather of it, where remaking it from w in the backward would gather it again.
+  w_c = _in_compute_layout(w, x.dtype, gathered)
+  return jnp.einsum(spec, x, w_c, preferred_element_type=out_dtype), (x, w_c)
 
 
-def _project_bwd(spec, grad_dtype, out_dtype, gathered, residuals, g):
-  x, w = residuals
+def _project_bwd(spec, grad_dtype, out_dtype, gathered, w_dtype, residuals, g):
+  x, w_c = residuals
   x_axes, rest = spec.split(',')
   w_axes, out_axes = rest.split('->')
   g = g.astype(x.dtype)
-  dx = jnp.einsum(f'{out_axes},{w_axes}->{x_axes}', g, _in_compute_layout(w, x.dtype, gathered))
+  dx = jnp.einsum(f'{out_axes},{w_axes}->{x_axes}', g, w_c)
   dw = jnp.einsum(f'{x_axes},{out_axes}->{w_axes}', x, g, preferred_element_type=grad_dtype)
   if gathered is not None:  # each device's positions' share, summed (and split) afterwards
     dw = jax.lax.with_sharding_constraint(dw, gathered)
-  return dx, dw.astype(w.dtype)
+  return dx, dw.astype(w_dtype)
 
 
 _project.defvjp(_project_fwd, _project_bwd)
