@@ -86,7 +86,9 @@ def collectives(variant: str, args: list[str]) -> list[str]:
     return [f'analyze failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}']
   lines = out.stdout.splitlines()
   start = next(i for i, l in enumerate(lines) if l.startswith('collectives per step'))
-  return [l for l in lines[start + 1:start + 12] if l.startswith('  ') and not l.startswith('  *')]
+  end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith('  ')
+             or lines[i].startswith('  *'))
+  return lines[start + 1:end]
 
 
 def main(argv: list[str]) -> None:

@@ -260,6 +260,7 @@ def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
   valid = {(tuple(c.mesh[a] for a in ('data', 'fsdp', 'pipe', 'tensor')), c.sharding.zero,
             split, c.model.loss_chunk) for c, split, reason in found if reason is None}
   assert {(z, chunk) for _, z, _, chunk in valid} == {(0, 0), (0, 64), (1, 0), (1, 64)}
+  assert all(mesh[0] > 1 for mesh, zero, _, _ in valid if zero)  # ZeRO splits over data
   by_split = lambda name: {mesh for mesh, _, split, _ in valid if split == name}
   assert ((1, 1, 1, 4) in by_split('sp')) and ((1, 4, 1, 1) in by_split('cp'))
   assert all(mesh[3] > 1 for mesh in by_split('sp'))  # activations' sequence over tensor

@@ -86,6 +86,9 @@ def candidates(cfg: ConfigDict, devices: int, space: Space):
     if any(c.mesh[a] == 1 for a in seq_axes):
       yield c, split, f'{split} splits the sequence over an axis of size 1'
       continue
+    if zero and c.mesh.data == 1:  # ZeRO splits over data
+      yield c, split, f'sharding.zero={zero} on data=1: the same program as zero=0'
+      continue
     try:
       validate(c, dict(c.mesh))
     except ConfigError as e:
