@@ -31,8 +31,15 @@ def start_backends(cfg: ConfigDict | None = None) -> None:
   import jax
   if cfg and cfg.cpu_devices:
     jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
-  if cfg and cfg.xla_flags:
-    os.environ['XLA_FLAGS'] = f"{cfg.xla_flags} {os.environ.get('XLA_FLAGS', '')}".strip()
+  flags = cfg.xla_flags if cfg and cfg.xla_flags else ''
+  model = cfg.get('model') if cfg else None
+  if model and model.grad_reduce_dtype == 'bfloat16' and not nvidia_gpu_present():
+    # XLA's CPU compiler aborts the process on the bf16 gradient reduce-scatter in its
+    # all-reduce-promotion pass ("Invalid binary instruction opcode copy"); the pass only
+    # widens narrow reductions, which this run asked for.
+    flags += ' --xla_disable_hlo_passes=all-reduce-promotion'
+  if flags.strip():
+    os.environ['XLA_FLAGS'] = f"{flags.strip()} {os.environ.get('XLA_FLAGS', '')}".strip()
   if not jax.config.jax_platforms and cuda_plugin_installed() and not nvidia_gpu_present():
     # The plugin would fail its start-up check with a long traceback before JAX fell back to
     # the CPU. Left out of the platforms, it still compiles for GPUs (`gpu_devices`).

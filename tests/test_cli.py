@@ -412,6 +412,18 @@ def test_config_xla_flags_come_before_the_environments(monkeypatch):
                                      '--xla_gpu_enable_latency_hiding_scheduler=false')
 
 
+def test_bf16_gradient_reduction_trains_on_the_cpu(tmp_path):
+  """`model.grad_reduce_dtype=bfloat16` on the CPU: XLA's CPU compiler aborted the process
+  (exit 134) in a pass that widens narrow reductions, which this run asked for and which
+  start_backends leaves out."""
+  result = run_cli('--config', 'configs/tiny.py', '--workdir', str(tmp_path),
+                   '--config.train.steps=2', '--config.optim.warmup_steps=0',
+                   '--config.model.dtype=bfloat16', '--config.model.grad_reduce_dtype=bfloat16')
+  assert result.returncode == 0, result.stderr[-2000:]
+  rows = [r for r in read_rows(tmp_path) if 'loss' in r]
+  assert rows[-1]['step'] == 2 and math.isfinite(rows[-1]['loss'])
+
+
 def test_the_compilation_cache_lives_in_the_user_cache_dir_or_where_it_is_put(monkeypatch,
                                                                               tmp_path):
   from jaxllm.backends import compilation_cache_dir, use_compilation_cache
