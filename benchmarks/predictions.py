@@ -81,7 +81,13 @@ def breakdown_text(p: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-  flags.FLAGS(argv)
+  if '--help' in argv or '-h' in argv:
+    print(__doc__)
+    return
+  try:
+    flags.FLAGS(argv)
+  except flags.Error as e:
+    raise ConfigError(str(e).splitlines()[0]) from None
   directory = _MAXTEXT_HLO.value
   if directory and not os.path.isdir(directory):
     raise ConfigError(f'--maxtext-hlo {directory}: no such directory; pass the one '
