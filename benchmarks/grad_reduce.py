@@ -14,11 +14,11 @@ last 100 steps against the loss's own step-to-step noise, and each run's wall ti
 collectives each variant's compiled CPU program runs (`jaxllm.analyze --compiler cpu`).
 
 XLA's CPU compiler aborts on the bf16 program in its all-reduce-promotion pass ("Invalid binary
-instruction opcode copy": the reduce-scatter's reduction computation ends in a sharding
-annotation, not an add), so both runs and both analyses are made with
-XLA_FLAGS=--xla_disable_hlo_passes=all-reduce-promotion. The CPU program then still moves f32:
-the bf16 variant rounds each device's partial gradient to bf16 before the collective and sums
-in f32, where a GPU's NCCL would also round every partial sum.
+instruction opcode copy"), which `jaxllm.backends.start_backends` therefore leaves out of bf16
+runs on a CPU; here both runs and both analyses leave it out (XLA_FLAGS), so that the two CPU
+programs are compiled alike. The CPU program still moves f32: the bf16 variant rounds each
+device's partial gradient to bf16 before the collective and sums in f32, where a GPU's NCCL
+would also round every partial sum (its program reduce-scatters bf16: `jaxllm.analyze`).
 """
 
 import json
@@ -33,6 +33,7 @@ import time
 from absl import flags
 
 from jaxllm.cli import main_guard
+from jaxllm.config import ConfigError
 
 _OUT = flags.DEFINE_string('out', None, 'New directory for the two runs\' workdirs.')
 _STEPS = flags.DEFINE_integer('steps', 300, 'Train steps per run.')
@@ -94,8 +95,10 @@ def collectives(variant: str, args: list[str]) -> list[str]:
 def main(argv: list[str]) -> None:
   flags.FLAGS(argv, known_only=True)
   if not _OUT.value:
-    sys.exit('--out DIR is required')
-  os.makedirs(_OUT.value, exist_ok=False)
+    raise ConfigError('--out DIR is required: a new directory for the two runs.')
+  if os.path.exists(_OUT.value):
+    raise ConfigError(f'--out {_OUT.value}: exists; name a new directory.')
+  os.makedirs(_OUT.value)
   passthrough = [a for a in argv[1:] if a.startswith('--config.')]
   args = overrides(_STEPS.value, _LOG_EVERY.value) + passthrough
   print('command: python -m jaxllm.train ' + ' '.join(args)
@@ -124,8 +127,9 @@ def main(argv: list[str]) -> None:
   last = [s for s in steps if s > steps[-1] - 100]
   diffs = [train_loss['bfloat16'][s] - train_loss['float32'][s] for s in last]
   # The loss's own noise: successive rows differ by batch (and trend); /√2 for one row's spread.
-  noise = {v: statistics.stdev([train_loss[v][b] - train_loss[v][a] for a, b in zip(last, last[1:])])
-           / math.sqrt(2) for v in VARIANTS}
+  noise = {v: statistics.stdev([train_loss[v][b] - train_loss[v][a]
+                                for a, b in zip(last, last[1:])]) / math.sqrt(2)
+           for v in VARIANTS}
   print(f'\nlast 100 steps ({len(last)} rows of {_LOG_EVERY.value} steps): '
         f'mean |bf16 − fp32| {statistics.mean(abs(d) for d in diffs):.4f}, '
         f'mean bf16 − fp32 {statistics.mean(diffs):+.4f} '
