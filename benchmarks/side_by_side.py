@@ -1,7 +1,7 @@
 """jaxllm's program beside another trainer's, compiled for the same GPUs: what each moves per
 collective kind and element type, its peak, and the predicted step.
 
-    python benchmarks/side_by_side.py --other-hlo FILE [--other-memory GIB] \
+    python benchmarks/side_by_side.py [--other-hlo FILE [--other-memory GIB]] \
         --config configs/llama3_8b.py --devices 8 --remat full,dots_except_mlp,dots \
         [--config.a.b=v ...]
 
@@ -9,7 +9,7 @@ FILE is the other program's optimized HLO text for the same model, batch and dev
 Llama-3-8B: `benchmarks/maxtext.py --run llama3_8b`, fsdp=8, 8 × 8192 tokens, remat full);
 `--other-memory` its peak in GiB where known (maxtext.py prints its memory analysis: the
 HLO text does not hold it). One row per program: jaxllm's for each remat policy asked for,
-then the other's.
+then the other's, if given.
 """
 
 import collections
@@ -54,14 +54,13 @@ def row(name: str, text: str, devices: int, hardware, peak: float | None) -> str
 
 def main(argv: list[str]) -> None:
   cfg, _ = parse_command_line(argv)
-  if not _OTHER_HLO.value:
-    raise ConfigError('--other-hlo is required: the other trainer\'s program, e.g. '
-                      'benchmarks/maxtext.py\'s output.')
-  try:
-    with open(_OTHER_HLO.value) as f:
-      other = f.read()
-  except OSError as e:
-    raise ConfigError(f'--other-hlo {_OTHER_HLO.value}: {e.strerror.lower()}.') from None
+  other = None
+  if _OTHER_HLO.value:
+    try:
+      with open(_OTHER_HLO.value) as f:
+        other = f.read()
+    except OSError as e:
+      raise ConfigError(f'--other-hlo {_OTHER_HLO.value}: {e.strerror.lower()}.') from None
   start_backends(cfg)
   hardware = hardware_profile(analyze.HARDWARE.value)
   devices = analyze.DEVICES.value or hardware.devices_per_node
@@ -74,8 +73,9 @@ def main(argv: list[str]) -> None:
     c = compile_step(tune.with_fields(cfg, {'model.remat': remat}), gpus)
     print(row(f'jaxllm, remat {remat}', c.text, devices, hardware,
               report.peak_bytes(c.executable)), flush=True)
-  print(row('other', other, devices, hardware,
-            _OTHER_MEMORY.value * 2**30 if _OTHER_MEMORY.value else None))
+  if other:
+    print(row('other', other, devices, hardware,
+              _OTHER_MEMORY.value * 2**30 if _OTHER_MEMORY.value else None))
 
 
 if __name__ == '__main__':
