@@ -161,12 +161,17 @@ class KernelRates:
     x = math.log2(min(max(length, ATTENTION_LENGTHS[0]), ATTENTION_LENGTHS[-1]) / 512)
     return _interpolate(rates, [x]) * 1e12
 
-  def link(self, kind: str, group: int, across_nodes: bool) -> tuple[float, float]:
-    """(bus bandwidth, latency) of a collective over `group` devices."""
+  def collective_seconds(self, kind: str, group: int, across_nodes: bool, sent: float,
+                         calls: int = 1) -> float:
+    """Seconds `calls` collectives over `group` devices take to send `sent` bytes from each
+    device in all: a start-up latency each, and the bytes at NCCL's bus bandwidth."""
     if across_nodes:
-      return self.inter_node_bus, self.inter_node_latency
-    sizes = self.intra_node_bus[kind]
-    return sizes[min(sizes, key=lambda n: (abs(n - group), n))], self.intra_node_latency
+      bandwidth, latency = self.inter_node_bus, self.inter_node_latency
+    else:
+      sizes = self.intra_node_bus[kind]
+      bandwidth = sizes[min(sizes, key=lambda n: (abs(n - group), n))]
+      latency = self.intra_node_latency
+    return calls * latency + sent / bandwidth
 
 
 def _interpolate(table, point: list[float]) -> float:

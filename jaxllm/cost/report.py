@@ -36,8 +36,8 @@ def collective_table(c: Compiled, hardware: Hardware) -> tuple[list[dict], list[
     g['bytes'] += x.bytes
     g['rewritten'] += x.count if (x.from_all_reduce or x.summed) else 0
     if rates:
-      bandwidth, latency = rates.link(x.kind, x.group_size, bool(spanning & set(x.axes)))
-      g['seconds'] += x.count * latency + x.bytes / bandwidth
+      g['seconds'] += rates.collective_seconds(x.kind, x.group_size, bool(spanning & set(x.axes)),
+                                               x.bytes, x.count)
   expected = expected_bytes(c)
   per_axes = collections.Counter()
   for (axes, _, _), g in groups.items():

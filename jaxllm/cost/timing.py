@@ -231,8 +231,8 @@ def transfer(computations, inst: hlo.Instruction, rates: KernelRates, devices: i
     return None
   sent = hlo.RING[kind](size) * hlo.nbytes(hlo.delivered(found))
   across = crosses(groups)
-  bandwidth, latency = rates.link(kind, size, across)
-  return Transfer(inst.name, kind, sent, across, latency + sent / bandwidth,
+  return Transfer(inst.name, kind, sent, across,
+                  rates.collective_seconds(kind, size, across, sent),
                   inst.opcode.endswith('-start'))
 
 
