@@ -1,9 +1,10 @@
 """`python -m jaxllm.tune --config configs/X.py --devices N [--hardware h100-nvlink] [--measure K]`
 
 Tries every mesh data·fsdp·pipe·tensor = N that the model allows, with each remat policy,
-micro-batch count, ZeRO stage, sequence or context split and loss chunk asked for: compiles each from shapes for the profile's GPU (as
-`jaxllm.analyze` does, with its --compiler and --devices), drops those that do not fit what a
-process may use of the device's memory, and ranks the rest by predicted step time.
+micro-batch count, ZeRO stage, sequence or context split and loss chunk asked for: compiles
+each from shapes for the profile's GPU (as `jaxllm.analyze` does, with its --compiler and
+--devices), drops those that do not fit what a process may use of the device's memory, and
+ranks the rest by predicted step time.
 `--measure K` then runs the best K for a few real steps on the devices present, beside the
 prediction.
 """
@@ -55,7 +56,7 @@ def check_flags() -> Space:
   for remat in remats:
     if remat not in REMAT_POLICIES:
       raise ConfigError(f'--remat={remat!r} is unknown; use {", ".join(REMAT_POLICIES)}.')
-  for split in _SPLITS.value or ['']:  # empty: ''  is unknown
+  for split in _SPLITS.value or ['']:  # an empty list names the unknown split ''
     if split not in SPLITS:
       raise ConfigError(f'--splits={split!r} is unknown; use {", ".join(SPLITS)}.')
   zero = _integers(_ZERO, 0, '0,1,2') if _ZERO.value else ()
