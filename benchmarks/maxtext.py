@@ -1,7 +1,7 @@
 """MaxText's own H100 train step, compiled here without a GPU, written out as optimized HLO.
 
-    /work/mtvenv/bin/python benchmarks/maxtext.py --maxtext /work/maxtext --run a3_1vm \
-        --out /work/hlo/maxtext_a3_1vm.hlo.txt [key=value ...]
+    /path/to/maxtext-venv/bin/python benchmarks/maxtext.py --maxtext MAXTEXT --run a3_1vm \
+        --out DIR/a3_1vm.hlo.txt [key=value ...]
 
 Run it with the python of a venv that has MaxText's dependencies beside jax 0.10.2 and its CUDA
 plugin (jaxllm's own environment lacks them; benchmarks/README.md says how to make one).
