@@ -21,7 +21,7 @@ from jaxllm import analyze
 from jaxllm.backends import gpu_devices, start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import ConfigError
-from jaxllm.cost import hlo, report, tune
+from jaxllm.cost import report, tune
 from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import hardware_profile
 
@@ -31,12 +31,13 @@ _REMAT = flags.DEFINE_list('remat', ['full', 'dots_except_mlp', 'dots'],
                            'jaxllm\'s remat policies to compile.')
 
 
-def traffic_text(text: str, devices: int) -> str:
-  """Each collective kind's calls per step and bytes one device sends, by element type."""
+def traffic_text(collectives: list[dict]) -> str:
+  """Each collective kind's calls per step and bytes one device sends, by element type, from
+  `report.program_report`'s rows."""
   found = collections.defaultdict(collections.Counter)
-  for x in hlo.collectives(text, {'devices': devices}, cpu=False):
-    found[x.kind]['calls'] += x.count
-    found[x.kind][x.dtype] += x.bytes
+  for c in collectives:
+    found[c['kind']]['calls'] += c['count']
+    found[c['kind']][c['dtype']] += c['bytes']
   parts = []
   for kind, moved in sorted(found.items()):
     types = ' + '.join(f'{report.size_text(b)} {t}' for t, b in sorted(moved.items())
@@ -46,8 +47,9 @@ def traffic_text(text: str, devices: int) -> str:
 
 
 def row(name: str, text: str, devices: int, hardware, peak: float | None) -> str:
-  p = report.program_report(text, hardware, devices, hardware.devices_per_node)['prediction']
-  return (f'| {name} | {traffic_text(text, devices)} | '
+  r = report.program_report(text, hardware, devices, hardware.devices_per_node)
+  p = r['prediction']
+  return (f'| {name} | {traffic_text(r["collectives"])} | '
           f'{report.size_text(peak) if peak else "–"} | {report.seconds_text(p["step_s"])} '
           f'(exposed comm {report.seconds_text(p["exposed_comm_s"])}) |')
 

@@ -60,6 +60,18 @@ class Collective:
     return self.count * self.bytes_per_call
 
 
+def called(inst: Instruction) -> str | None:
+  """The computation a fusion (or an asynchronous op) calls."""
+  m = re.search(r'calls=%?([\w.\-]+)', inst.attrs)
+  return m.group(1) if m else None
+
+
+def op_name(inst: Instruction) -> str:
+  """The JAX operation that made `inst` (its metadata's op_name), else its opcode."""
+  m = re.search(r'op_name="([^"]*)"', inst.attrs)
+  return m.group(1) if m else inst.opcode
+
+
 def _balanced(text: str, start: int) -> int:
   """Index just past the bracket group opening at text[start]."""
   depth = 0
@@ -244,7 +256,7 @@ def _sliced_to(computations, comp: str, name: str, elements: int, parts: int,
       if not _sliced_to(computations, comp, user.name, elements, parts, depth + 1, outside):
         return False
     elif user.opcode == 'fusion':
-      fused = re.search(r'calls=%?([\w.\-]+)', user.attrs).group(1)
+      fused = called(user)
       params = {int(i.args): i.name for i in computations[fused].values()
                 if i.opcode == 'parameter'}
       if not all(_sliced_to(computations, fused, params[k], elements, parts, depth + 1,
@@ -262,7 +274,7 @@ def _only_added(computations, comp: str, user: Instruction, values: set[str]) ->
     return True
   if user.opcode != 'fusion':
     return False
-  fused = re.search(r'calls=%?([\w.\-]+)', user.attrs).group(1)
+  fused = called(user)
   params = {int(i.args): i.name for i in computations[fused].values() if i.opcode == 'parameter'}
   inside = {params[k] for k, operand in enumerate(user.operands) if operand in values}
   while True:  # follow the values through ops that only pass them on
@@ -367,9 +379,15 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list
       if kind == 'all-reduce' and cpu:
         found += _all_reduce(computations, comp, inst, axes, n, times)
         continue
-      found += [Collective(kind, dtype, axes, n, times, RING[kind](n) * size)
-                for dtype, size in bytes_by_dtype(delivered(inst)).items()]
+      found += [Collective(kind, dtype, axes, n, times, sent)
+                for dtype, sent in sent_by_dtype(inst, kind, n).items()]
   return found
+
+
+def sent_by_dtype(inst: Instruction, kind: str, n: int) -> dict[str, float]:
+  """Bytes one device sends per call of collective `inst` (one of KINDS) over groups of `n`,
+  by element type (ring formulas, `RING`)."""
+  return {dtype: RING[kind](n) * size for dtype, size in bytes_by_dtype(delivered(inst)).items()}
 
 
 # A GEMM that XLA hands to cuBLAS (where autotuning prefers it to a Triton fusion, always with
@@ -540,8 +558,7 @@ def largest_values(hlo_text: str, k: int = 5) -> list[tuple[int, str, str]]:
     for inst in insts.values():
       if inst.opcode in skip or inst.opcode.endswith(('-start', '-done')):
         continue
-      op = re.search(r'op_name="([^"]*)"', inst.attrs)
       for dtype, dims in arrays(inst.shape):  # a multi-output fusion makes several arrays
         shape = f'{dtype}[{",".join(map(str, dims))}]'
-        seen.setdefault((shape, op.group(1) if op else inst.opcode), nbytes(shape))
+        seen.setdefault((shape, op_name(inst)), nbytes(shape))
   return sorted(((size, *key) for key, size in seen.items()), reverse=True)[:k]

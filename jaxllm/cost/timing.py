@@ -81,23 +81,13 @@ class Timing:
 
 # --- one kernel's time -------------------------------------------------------------------
 
-def _fused(inst: hlo.Instruction) -> str | None:
-  m = re.search(r'calls=%?([\w.\-]+)', inst.attrs)
-  return m.group(1) if m else None
-
-
-def _op_name(inst: hlo.Instruction) -> str:
-  m = re.search(r'op_name="([^"]*)"', inst.attrs)
-  return m.group(1) if m else inst.opcode
-
-
 def _dots_in(computations, comp: str):
   """The dots of a fused computation, nested fusions included."""
   for inst in computations.get(comp, {}).values():
     if inst.opcode == 'dot':
       yield computations[comp], inst
     elif inst.opcode == 'fusion':
-      yield from _dots_in(computations, _fused(inst))
+      yield from _dots_in(computations, hlo.called(inst))
 
 
 def _gemm(rates: KernelRates, shapes) -> tuple[float, float]:
@@ -144,7 +134,7 @@ def _written_bytes(computations, comp: str, name: str) -> int:
 
 def _fusion_traffic(computations, inst: hlo.Instruction, insts: dict) -> tuple[float, float]:
   """(bytes read and written, CUDA-core FLOPs) of a fusion kernel."""
-  comp = _fused(inst)
+  comp = hlo.called(inst)
   body = computations[comp]
   params = {int(i.args): i for i in body.values() if i.opcode == 'parameter'}
   moved = sum(_read_bytes(computations, comp, params[i].name, hlo.nbytes(params[i].shape))
@@ -166,7 +156,7 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction,
   insts = computations[comp]
   if inst.opcode in NO_KERNEL or hlo.collective_kind(inst) is not None:
     return None
-  kernel = Kernel(inst.name, _op_name(inst), 'memory', 0.0)
+  kernel = Kernel(inst.name, hlo.op_name(inst), 'memory', 0.0)
   target = re.search(r'custom_call_target="([^"]+)"', inst.attrs)
   target = target.group(1) if target else ''
   if shape := hlo.gemm_shape(insts, inst):
@@ -180,7 +170,7 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction,
         attention.backward, attention.head_dim, attention.length, 'CAUSAL' in attention.mask)
     return kernel
   if inst.opcode == 'fusion':
-    dots = [hlo.gemm_shape(body, dot) for body, dot in _dots_in(computations, _fused(inst))]
+    dots = [hlo.gemm_shape(body, dot) for body, dot in _dots_in(computations, hlo.called(inst))]
     if any(dots):
       kernel.category = 'gemm'
       kernel.seconds, kernel.flops = _gemm(rates, [d for d in dots if d])
@@ -219,7 +209,7 @@ def transfer(computations, inst: hlo.Instruction, rates: KernelRates, devices: i
   """`inst` as a collective call, or None when it is none (or one device's)."""
   found = inst
   if inst.opcode == 'async-start':  # an asynchronous collective wraps a synchronous one
-    found = next((i for i in computations.get(_fused(inst), {}).values()
+    found = next((i for i in computations.get(hlo.called(inst), {}).values()
                   if hlo.collective_kind(i) is not None), inst)
   kind = hlo.collective_kind(found)
   if kind is None:
@@ -229,7 +219,7 @@ def transfer(computations, inst: hlo.Instruction, rates: KernelRates, devices: i
                                                  else devices)
   if size <= 1:
     return None
-  sent = hlo.RING[kind](size) * hlo.nbytes(hlo.delivered(found))
+  sent = sum(hlo.sent_by_dtype(found, kind, size).values())
   across = crosses(groups)
   return Transfer(inst.name, kind, sent, across,
                   rates.collective_seconds(kind, size, across, sent),
