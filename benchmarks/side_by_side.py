@@ -32,17 +32,19 @@ _REMAT = flags.DEFINE_list('remat', ['full', 'dots_except_mlp', 'dots'],
 
 
 def traffic_text(collectives: list[dict]) -> str:
-  """Each collective kind's calls per step and bytes one device sends, by element type, from
-  `report.program_report`'s rows."""
+  """Calls per step and bytes one device sends, by element type, for each collective kind
+  and group size (`kind/N`: over a mesh axis of N devices), from `report.program_report`'s
+  rows."""
   found = collections.defaultdict(collections.Counter)
   for c in collectives:
-    found[c['kind']]['calls'] += c['count']
-    found[c['kind']][c['dtype']] += c['bytes']
+    key = c['kind'], c['group_size']
+    found[key]['calls'] += c['count']
+    found[key][c['dtype']] += c['bytes']
   parts = []
-  for kind, moved in sorted(found.items()):
+  for (kind, n), moved in sorted(found.items()):
     types = ' + '.join(f'{report.size_text(b)} {t}' for t, b in sorted(moved.items())
                        if t != 'calls' and b >= 2**20)
-    parts.append(f'{kind} ×{moved["calls"]:,} {types}')
+    parts.append(f'{kind}/{n} ×{moved["calls"]:,} {types}')
   return '; '.join(parts)
 
 
@@ -68,8 +70,8 @@ def main(argv: list[str]) -> None:
   devices = analyze.DEVICES.value or hardware.devices_per_node
   gpus = gpu_devices(hardware, devices)
   print(f'{sys.argv[0]} {" ".join(argv[1:])}')
-  print('| program | collectives per step: calls, bytes one device sends | peak | predicted '
-        'step |')
+  print('| program | collectives per step (kind/group size): calls, bytes one device sends | '
+        'peak | predicted step |')
   print('|---|---|---:|---:|')
   for remat in _REMAT.value:
     c = compile_step(tune.with_fields(cfg, {'model.remat': remat}), gpus)

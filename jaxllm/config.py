@@ -112,6 +112,11 @@ def default_config() -> ConfigDict:
       # the context the model is for: max_position_embeddings of an exported config.json, and
       # where generation stops. 0: data.seq_len
       max_position=0,
+      # Under sequence parallelism (needs sharding.rules.act_seq=('tensor',)): the tensor
+      # all-gathers before the q/k/v and gate/up matmuls and the reduce-scatters after the
+      # attention-output and down matmuls run as rings of transfers hidden behind those
+      # matmuls, block by block (jaxllm.parallel.collective_matmul). Nothing on tensor=1.
+      collective_matmul=False,
   ))
 
   # -1 means "whatever is left of the devices"; at most one axis may say so.

@@ -142,6 +142,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
       raise ConfigError(f'sharding.rules.{name}={mesh_axes(axes)} names unknown mesh axes '
                         f'{unknown}; use {", ".join(MESH_AXES)}.')
   _validate_sequence_split(cfg, mesh_shape)
+  _validate_collective_matmul(cfg)
 
 
 def _batch_split(cfg: ConfigDict) -> str:
@@ -183,6 +184,18 @@ def _validate_sequence_split(cfg: ConfigDict, mesh_shape: dict[str, int]) -> Non
     raise ConfigError(f'data.seq_len={cfg.data.seq_len} does not split over sharding.rules.seq '
                       f'and act_seq ({"×".join(axes)} = {parts}); make it a multiple of {parts} '
                       'or change the mesh or those rules.')
+
+
+def _validate_collective_matmul(cfg: ConfigDict) -> None:
+  """model.collective_matmul hides sequence parallelism's tensor collectives behind matmuls,
+  so it needs act_seq over tensor (on tensor=1 it does nothing, as act_seq does nothing); that
+  the sequence divides is `_validate_sequence_split`'s check."""
+  act_seq = mesh_axes(cfg.sharding.rules.act_seq)
+  if cfg.model.collective_matmul and act_seq != ('tensor',):
+    raise ConfigError('model.collective_matmul=True overlaps the tensor all-gathers and '
+                      'reduce-scatters of sequence parallelism with the matmuls, but '
+                      f"sharding.rules.act_seq={act_seq}; set sharding.rules.act_seq=('tensor',) "
+                      'or model.collective_matmul=False.')
 
 
 def _validate_optim(o: ConfigDict, train_steps: int) -> None:

@@ -160,16 +160,6 @@ def test_tiny_config_fine_tunes_on_conversations_with_every_extra_split(tmp_path
   assert saved['data']['format'] == 'chat'
 
 
-def test_tiny_config_trains_with_a_pipeline(tmp_path):
-  workdir = tmp_path / 'run'
-  result = run_cli('--config', 'configs/tiny.py', '--config.mesh.pipe=2', '--config.mesh.fsdp=1',
-                   '--config.train.steps=40', '--config.train.log_every=20', f'--workdir={workdir}')
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert 'pipeline gpipe: S=2 stages × R=1 repeats, M=4 micro-batches' in result.stdout
-  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
-
-
 BAD_INPUTS = {
     'mesh_product': (['--config.mesh.data=3'], 'mesh'),
     # 3 K/V heads over tensor=2: neither splits nor replicates evenly
@@ -180,6 +170,8 @@ BAD_INPUTS = {
                                      'sharding.rules.seq'),
     'sequence_split_vs_seq_len': (["--config.sharding.rules.act_seq=('tensor',)",
                                    '--config.data.seq_len=127'], 'data.seq_len'),
+    'collective_matmul_without_sequence_parallelism': (['--config.model.collective_matmul=True'],
+                                                       'model.collective_matmul'),
     'heads_vs_kv_heads': (['--config.model.num_heads=5'], 'model.num_heads'),
     'global_batch': (['--config.train.global_batch=6'], 'train.global_batch'),
     'micro_batches': (['--config.train.micro_batches=3'], 'train.global_batch'),

@@ -441,19 +441,49 @@ def test_embedding_table_is_never_gathered(tiny_program):
 
 def logit_positions(compiled) -> int:
   """The most positions any fp32 [..., V] logits the program makes hold, counted as rows ×
-  positions however XLA lays them out. Logits are the head matmul's output ('bcd,dv->bcv' in
-  `model._chunk_logits`): other [..., V] arrays, such as the head's gradient being summed, are
-  not logits."""
+  positions however XLA lays them out. Logits are the head matmul's output ('rd,dv->rv' in
+  `model.loss`): other [..., V] arrays, such as the head's gradient being summed, are not
+  logits."""
   V = compiled.cfg.model.vocab_size
   return max(math.prod(int(d) for d in shape.split('[')[1].rstrip(']').split(',')[:-1])
              for _, shape, op in hlo.largest_values(compiled.text, k=1000)
-             if shape.startswith('f32[') and shape.endswith(f',{V}]') and 'bcd,dv->bcv' in op)
+             if shape.startswith('f32[') and shape.endswith(f',{V}]') and 'rd,dv->rv' in op)
 
 
 def test_logits_exist_one_chunk_at_a_time(one_b_program):
   """The 1B-width program (2 rows of 4096 per micro-batch, vocabulary 128,256) holds fp32
   logits for model.loss_chunk = 1024 positions at a time, never for the whole sequence."""
   assert logit_positions(one_b_program) == 2 * 1024
+
+
+def test_the_head_gradient_is_summed_split_as_the_head_is(tiny_program, h100s):
+  """With a vocabulary larger than its fsdp group's tokens (4096 against 1024 per tensor
+  part), the loss gives each device all the group's rows and a slice of the vocabulary: the
+  head's gradient it sums over the chunks is [D, V/(fsdp·tensor)] in fp32, complete for its
+  slice, and no array of a whole embed dimension × the tensor part [D, V/tensor] exists (each
+  device's rows' unreduced gradient of the whole head, or the head gathered whole along it):
+  the head reaches the slices by ppermutes of 1/fsdp of each device's part. With tiny's own
+  320 entries (160 per tensor part) the rows would move more: the head is gathered."""
+  sliced = compile_step(tiny(vocab_size=4096), h100s)
+  mesh = sliced.mesh_shape
+  D, fsdp, tensor = sliced.cfg.model.embed_dim, mesh['fsdp'], mesh['tensor']
+
+  def head_arrays(compiled):
+    V = compiled.cfg.model.vocab_size
+    shapes = set(re.findall(r'\b((?:bf16|f32)\[\d+,\d+\])', compiled.text))
+    return {f'{dtype}[{D},{V // parts}]' for dtype in ('bf16', 'f32') for parts in (
+        tensor, fsdp * tensor)} & shapes
+
+  V = sliced.cfg.model.vocab_size
+  assert head_arrays(sliced) == {f'{dtype}[{D},{V // (fsdp * tensor)}]' for dtype in (
+      'bf16', 'f32')}  # the slice and its gradient
+  head_parts = [x for x in hlo.collectives(sliced.text, mesh, cpu=False)
+                if x.axes == ('fsdp',) and x.kind == 'collective-permute']
+  part = D // fsdp * V // tensor // fsdp  # of the head, to one other device
+  assert {(x.dtype, x.bytes_per_call) for x in head_parts} == {('bf16', 2 * part),
+                                                            ('f32', 4 * part)}
+  V = tiny_program.cfg.model.vocab_size
+  assert {f'bf16[{D},{V // tensor}]', f'f32[{D},{V // tensor}]'} <= head_arrays(tiny_program)
 
 
 @pytest.fixture(scope='session')

@@ -15,7 +15,8 @@ from jaxllm.model import Transformer
 from jaxllm.model.attention import Attention, document_spans, sharded_attention
 from jaxllm.model.embedding import sharded_lookup
 from jaxllm.model.layers import project, rope_frequencies
-from jaxllm.model.loss import chunked_loss_sum
+from jaxllm.model import loss
+from jaxllm.model.loss import chunked_loss_sum, splits_vocabulary
 from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.step import loss_terms
 from jaxllm.validate import resolve_mesh
@@ -423,13 +424,24 @@ def _whole_logits_loss(x, w, targets, mask, z_loss=0.0):
 
 @pytest.mark.parametrize('z_loss', [0.0, 0.1])
 @pytest.mark.parametrize('chunks', [1, 4])
-@pytest.mark.parametrize('mesh', [dict(), dict(data=2, fsdp=2, tensor=2)])
-def test_chunked_loss_equals_the_whole_logits(chunks, mesh, z_loss):
+@pytest.mark.parametrize('mesh, rules, V, sliced', [
+    (dict(), {}, 96, False),
+    (dict(data=2, fsdp=2, tensor=2), {}, 96, False),  # 64 rows' tokens > 48 per tensor part
+    (dict(fsdp=8), {}, 98, False),
+    (dict(fsdp=8), {}, 402, True),  # vocabulary slices padded: 8 × 51 columns
+    # context parallel; slices padded, 197 columns per tensor part in 4 × 50
+    (dict(fsdp=4, tensor=2), dict(batch=('data',), seq=('fsdp',)), 394, True)])
+def test_chunked_loss_equals_the_whole_logits(chunks, mesh, rules, V, sliced, z_loss,
+                                              monkeypatch):
   """The loss made a chunk of positions at a time, with its hand-made gradients, equals
   log-softmax over all the logits at once (fp32, 1e-6), masked tokens left out; with z-loss,
   the objective adds z·log²Z per token (gradients by jax.grad of that formula) and the
-  logged loss stays the cross-entropy."""
-  B, T, D, V = 8, 16, 32, 96
+  logged loss stays the cross-entropy. Over fsdp each device takes a slice of the vocabulary
+  for the whole group's rows where that moves fewer bytes (`sliced`), else the whole head."""
+  chose = []
+  monkeypatch.setattr(loss, 'splits_vocabulary', lambda *args: chose.append(
+      splits_vocabulary(*args)) or chose[-1])
+  B, T, D = 8, 16, 32
   keys = jax.random.split(jax.random.key(2), 3)
   x = jax.random.normal(keys[0], (B, T, D))
   w = jax.random.normal(keys[1], (D, V)) * 0.1
@@ -438,10 +450,11 @@ def test_chunked_loss_equals_the_whole_logits(chunks, mesh, z_loss):
   want = jax.value_and_grad(_whole_logits_loss, (0, 1))(x, w, targets, mask, z_loss)
   want_ce = _whole_logits_loss(x, w, targets, mask)
   shape = {**dict(data=1, fsdp=1, pipe=1, tensor=1), **mesh}
-  with sharding_context(make_mesh(shape), default_config().sharding.rules):
+  with sharding_context(make_mesh(shape), {**default_config().sharding.rules, **rules}):
     (objective, ce), grads = jax.jit(jax.value_and_grad(
         lambda x, w: chunked_loss_sum(chunks, jnp.float32, z_loss, x, w, targets, mask),
         (0, 1), has_aux=True))(x, w)
+  assert chose == [sliced]
   np.testing.assert_allclose(objective, want[0], rtol=1e-6)
   np.testing.assert_allclose(ce, want_ce, rtol=1e-6)
   if z_loss:

@@ -459,18 +459,32 @@ def test_the_tiny_run_profiles_resumes_generates_and_exports(tiny_run, tmp_path)
                                   'float32')
 
 
+# The pipeline's first command, the one pipelined training run of the suite, trains until it
+# has learned something.
+PIPELINE = 'python -m jaxllm.train --config configs/tiny.py --config.mesh.pipe=2 --config.mesh.fsdp=1'
+PIPELINE_STEPS = 40
+
+
 @pytest.mark.parametrize('key', commands_of(TRAIN_ALONE))
 def test_train_command_runs_as_printed(key, tmp_path):
-  """Each in a directory of its own, one step, no checkpoint."""
+  """Each in a directory of its own, one step (PIPELINE: PIPELINE_STEPS), no checkpoint."""
+  assert PIPELINE in commands_of(TRAIN_ALONE)  # its check runs
   cwd = readme_cwd(tmp_path)
-  shorten = [*steps(1), '--config.checkpoint.every=0']
+  n = PIPELINE_STEPS if key == PIPELINE else 1
+  shorten = [f'--config.train.steps={n}', '--config.checkpoint.every=0']
+  if n == 1:
+    shorten += steps(1)[1:]  # the warmup cut with it
   words, argv = readme_argv(key, shorten=shorten)
   result = run(argv, cwd)
   workdir = os.path.join(cwd, words[words.index('--workdir') + 1] if '--workdir' in words
                          else os.path.join('runs', 'tiny'))
   assert 'compiled the train step' in result.stdout
-  assert_trained(workdir, 1)
+  assert_trained(workdir, n)
   assert_overrides_in_config_json(words, workdir, shorten)
+  if key == PIPELINE:
+    assert 'pipeline gpipe: S=2 stages × R=1 repeats, M=4 micro-batches' in result.stdout
+    losses = [r['loss'] for r in metric_rows(workdir) if 'loss' in r]
+    assert losses[-1] < losses[0] - 0.5
 
 
 def recipe_config(directory, checkpoint) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxllm.cost.compile import Compiled
+from jaxllm.model.loss import splits_vocabulary
 from jaxllm.parallel.rules import parts
 
 
@@ -22,8 +23,14 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     g = 1 (the ZeRO paper's "same traffic as data parallelism"); with sharding.zero=2 the
     reduce-scatter runs per micro-batch, (N−1)/N·(M·g + 1)·Z.
   fsdp, per micro-batch: the layers' weights all-gathered in forward and backward and their
-    gradients reduce-scattered, (N−1)/N·(2a + g)·P; the output head gathered once (the loss
-    takes its gradients as it goes) and reduced, (N−1)/N·(a + g)·P; under a pipeline with
+    gradients reduce-scattered, (N−1)/N·(2a + g)·P; the loss (`model.loss.splits_vocabulary`
+    says which) either gathers the output head once (it takes its gradients as it goes) and
+    reduce-scatters its gradient, (N−1)/N·(a + g)·P, or splits the vocabulary over fsdp:
+    the head moved to the slices and its gradient back, (N−1)/N·(a + g)·P/N, and the rows
+    instead, b·s·h gathered and its gradient reduce-scattered, (N−1)·(1 + g')·b·s·h (g' the
+    gradient's bytes per activation byte), the targets and mask, (N−1)·8·b·s, and each row's
+    log-sum-exp from every slice, (N−1)·N·4·b·s (b·s·h / S after a pipeline of S stages);
+    under a pipeline with
     gather_weights='step' the stage weights likewise, once for all iterations; the embedding
     lookup moves rows, not weights: the looked-up b·s·h forward and backward, 2(N−1)/N·b·s·h; the
     parameters fsdp does not split (norm scales) are all-reduced, 2(N−1)/N·g·P.
@@ -69,8 +76,15 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     blocks, head = n * c.block_split_bytes, n * c.head_split_bytes
     unsplit = params - c.fsdp_split_bytes
     # With gather_weights='step' the stage weights are gathered once for all iterations.
-    per_micro = ((a + g if c.pipeline else 2 * a + g) * blocks + (a + g) * head +
-                 2 * g * unsplit + 2 * bsh)
+    loss_bsh = bsh / shape['pipe']  # after a pipeline, the loss takes rows split over pipe
+    tokens = loss_bsh / m.embed_dim / act_bytes
+    if splits_vocabulary(n, parts(rules['vocab'], shape), tokens, m.vocab_size, act_bytes,
+                         jnp.dtype(m.grad_reduce_dtype).itemsize):
+      loss = (a + g) * head / n + n * ((1 + g / a) * loss_bsh + 8 * tokens) + n * n * 4 * tokens
+    else:
+      loss = (a + g) * head
+    per_micro = ((a + g if c.pipeline else 2 * a + g) * blocks + loss + 2 * g * unsplit +
+                 2 * bsh)
     expected[('fsdp',)] = (n - 1) / n * t.micro_batches * per_micro
   n = shape['tensor']
   if n > 1:

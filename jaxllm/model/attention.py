@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from jaxllm.model.kv_cache import LayerCache, cached_attention
-from jaxllm.model.layers import param, apply_rope, project, rope_frequencies
+from jaxllm.model.layers import param, apply_rope, project, project_all, rope_frequencies
 from jaxllm.parallel.mesh import constrain, dividing_spec
 from jaxllm.parallel.rules import kv_heads_fit, mesh_axes
 
@@ -36,11 +36,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
     """The attention output; with a `cache` (decoding), also the new tokens' keys and values."""
-    mm = lambda spec, x, p, names: project(spec, x, p[...], self.cfg.grad_reduce_dtype,
-                                           w_names=names)
-    q_BTNH = mm('btd,dnh->btnh', x_BTD, self.wq_DNH, ('embed', 'heads', 'head_dim'))
-    k_BTKH = mm('btd,dkh->btkh', x_BTD, self.wk_DKH, ('embed', 'kv_heads', 'head_dim'))
-    v_BTKH = mm('btd,dkh->btkh', x_BTD, self.wv_DKH, ('embed', 'kv_heads', 'head_dim'))
+    q_BTNH, k_BTKH, v_BTKH = project_all(
+        x_BTD, (('btd,dnh->btnh', self.wq_DNH[...], ('embed', 'heads', 'head_dim')),
+                ('btd,dkh->btkh', self.wk_DKH[...], ('embed', 'kv_heads', 'head_dim')),
+                ('btd,dkh->btkh', self.wv_DKH[...], ('embed', 'kv_heads', 'head_dim'))),
+        self.cfg.grad_reduce_dtype, self.cfg.collective_matmul)
     # Names for the remat policies that keep some activations (REMAT).
     q_BTNH = checkpoint_name(constrain(q_BTNH, 'batch', 'seq', 'act_heads', None), 'q_proj')
     k_BTKH = checkpoint_name(constrain(k_BTKH, 'batch', 'seq', 'act_kv_heads', None), 'k_proj')
@@ -56,7 +56,8 @@ class Attention(nnx.Module):
     o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
     if self.cfg.attention != 'cudnn':  # cuDNN's output is kept as the kernel's (REMAT)
       o_BTNH = checkpoint_name(o_BTNH, 'attention')
-    out_BTD = mm('btnh,nhd->btd', o_BTNH, self.wo_NHD, ('heads', 'head_dim', 'embed'))
+    out_BTD = project('btnh,nhd->btd', o_BTNH, self.wo_NHD[...], self.cfg.grad_reduce_dtype,
+                      w_names=('heads', 'head_dim', 'embed'), collective=self.cfg.collective_matmul)
     return out_BTD if cache is None else (out_BTD, (k_BTKH, v_BTKH))
 
 

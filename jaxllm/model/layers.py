@@ -1,5 +1,5 @@
 """The decoder's building blocks: parameters, RMSNorm, rotary embeddings, `project` (a weight
-matmul with its own backward) and the SwiGLU MLP.
+matmul with its own backward), `project_all` (several of one input) and the SwiGLU MLP.
 
 Parameters and activations carry logical axis names only; `jaxllm.parallel.mesh` binds them to
 mesh axes. Shapes are spelled in suffixes: B batch, T sequence, D embed, N query heads, K kv
@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
+from jaxllm.parallel import collective_matmul
 from jaxllm.parallel.mesh import constrain, keep_axes, logical_spec
 from jaxllm.parallel.rules import mesh_axes
 
@@ -64,7 +65,7 @@ def apply_rope(x_BTnH, positions_BT, inv_freq):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTnH.dtype)
 
 
-def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None):
+def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None, collective=False):
   """`jnp.einsum(spec, x, w)` on x's dtype, w cast to it first (so an fsdp gather moves that
   dtype), giving `out_dtype` (default x's). The backward runs both matmuls on x's dtype too,
   on the weight as the forward's matmul took it (one gather per pass, whatever the remat
@@ -75,11 +76,30 @@ def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None):
 
   `w_names`, w's logical axes: where the sequence is split over an axis that also splits w
   (context parallelism over fsdp), w is gathered over it for the matmul, as fsdp gathers
-  weights; left to itself XLA may gather the activations instead, a whole sequence each."""
+  weights; left to itself XLA may gather the activations instead, a whole sequence each.
+
+  `collective` (model.collective_matmul): where the output's sequence is split over tensor
+  (sequence parallelism) and w's contracted axes are too (attention's output, the MLP's down
+  projection), the partial sums are reduce-scattered round a ring beside the matmul
+  (`collective_matmul.matmul_reduce_scatter`), not after it."""
+  if collective and collective_matmul.scatters(spec, x, w_names):
+    return checkpoint_name(collective_matmul.matmul_reduce_scatter(spec, x, w, w_names,
+                                                                    grad_dtype), 'projection')
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   gathered = _gathered_over_sequence(w_names) if w_names else None
   return checkpoint_name(_project(spec, jnp.dtype(grad_dtype), out_dtype, gathered,
                                   jnp.dtype(w.dtype), x, w), 'projection')
+
+
+def project_all(x, projections, grad_dtype, collective=False) -> tuple:
+  """`project` of one input x by each of `projections`, (spec, w, w_names) triples: q, k and
+  v, or gate and up. With `collective` (model.collective_matmul), where x's sequence is split
+  over tensor (sequence parallelism), x's blocks go round a ring once for all of them while
+  the matmuls run (`collective_matmul.all_gather_matmul`), not all-gathered before."""
+  if collective and collective_matmul.gathers(x, projections):
+    return tuple(checkpoint_name(y, 'projection') for y in
+                 collective_matmul.all_gather_matmul(x, projections, grad_dtype))
+  return tuple(project(spec, x, w, grad_dtype, w_names=names) for spec, w, names in projections)
 
 
 def _gathered_over_sequence(w_names) -> P | None:
@@ -138,11 +158,13 @@ class MLP(nnx.Module):
     self.w_up_DF = param(rngs, init, (D, F), ('embed', 'mlp'), pd)
     self.w_down_FD = param(rngs, out_init, (F, D), ('mlp', 'embed'), pd)
     self.grad_reduce_dtype = cfg.grad_reduce_dtype
+    self.collective_matmul = cfg.collective_matmul
 
   def __call__(self, x_BTD):
-    mm = lambda spec, x, p, names: project(spec, x, p[...], self.grad_reduce_dtype,
-                                           w_names=names)
-    gate_BTF = mm('btd,df->btf', x_BTD, self.w_gate_DF, ('embed', 'mlp'))
-    up_BTF = mm('btd,df->btf', x_BTD, self.w_up_DF, ('embed', 'mlp'))
+    gate_BTF, up_BTF = project_all(
+        x_BTD, (('btd,df->btf', self.w_gate_DF[...], ('embed', 'mlp')),
+                ('btd,df->btf', self.w_up_DF[...], ('embed', 'mlp'))),
+        self.grad_reduce_dtype, self.collective_matmul)
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, 'batch', 'seq', 'act_mlp')
-    return mm('btf,fd->btd', h_BTF, self.w_down_FD, ('mlp', 'embed'))
+    return project('btf,fd->btd', h_BTF, self.w_down_FD[...], self.grad_reduce_dtype,
+                   w_names=('mlp', 'embed'), collective=self.collective_matmul)
