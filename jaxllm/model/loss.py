@@ -166,7 +166,7 @@ class _VocabSlices:
   """The loss over `axes` (fsdp: the axes that split both the rows and the head's embed
   dimension), split by vocabulary: each of the `parts` devices takes all the group's rows and
   a slice of the vocabulary, whole along the embed dimension. It moves the head by an
-  all-to-all (1/parts of a gather), keeps a 1/parts share of the head's gradient, complete
+  all-to-all (1/parts of a gather's bytes), keeps a 1/parts share of the head's gradient, complete
   for its slice, in place of a whole head's unreduced gradient, and moves the rows instead:
   the activations gathered and their gradients reduce-scattered, once per row. No axes: one
   device's loss, nothing moved.
@@ -260,6 +260,7 @@ class _VocabSlices:
     """log Σ exp over the whole vocabulary: each slice's, combined across the slices."""
     lse_R = jax.nn.logsumexp(logits_RV, axis=-1)
     return jax.nn.logsumexp(self.rows(lse_R[None]), axis=0) if self.axes else lse_R
+
 
 def _chunked_loss_fwd(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT, mask_BT):
   totals, dx_BTD, dw_DV = _chunked_loss(chunks, grad_dtype, z_loss, x_BTD, w_DV, targets_BT,

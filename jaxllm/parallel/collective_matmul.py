@@ -182,6 +182,8 @@ def _stored(matmul: _Matmul, dw):
 
 
 def _ring(body, in_specs, out_specs):
+  # Unchecked varying axes: the rings' loops carry zeros made inside (device-invariant to
+  # the checker) that the first step fills with this device's blocks.
   return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
                        check_vma=False)
 
