@@ -2,7 +2,7 @@
 
     python benchmarks/programs.py --config configs/llama3_8b.py --devices 64 \
         --mesh fsdp=64 --mesh data=8,fsdp=8 [--compilers gpu,cpu] [--hardware h100-nvlink] \
-        [--splits none,zero1,zero2,sp,cp,cp_sp] [--config.a.b=v ...]
+        [--splits none,zero1,zero2,sp,sp_cm,cp,cp_sp] [--config.a.b=v ...]
 
 Compiles the train step from shapes alone with each compiler: for the profile's GPU (the
 program it would run, made without one) and with the CPU compiler on simulated devices. Prints

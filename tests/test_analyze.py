@@ -257,9 +257,10 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
 def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
   """Every combination asked for is a candidate, each config carrying its own values; the
   splits a mesh cannot make are refused by the config's own checks, none silently dropped."""
-  space = Space(('none',), (1,), zero=(0, 1), splits=('none', 'sp', 'cp'), loss_chunk=(0, 64))
+  space = Space(('none',), (1,), zero=(0, 1), splits=('none', 'sp', 'sp_cm', 'cp'),
+                loss_chunk=(0, 64))
   found = list(candidates(tiny_config, 4, space))
-  assert len(found) == len(factorisations(4, 4)) * 2 * 3 * 2
+  assert len(found) == len(factorisations(4, 4)) * 2 * 4 * 2
   valid = {(tuple(c.mesh[a] for a in ('data', 'fsdp', 'pipe', 'tensor')), c.sharding.zero,
             split, c.model.loss_chunk) for c, split, reason in found if reason is None}
   assert {(z, chunk) for _, z, _, chunk in valid} == {(0, 0), (0, 64), (1, 0), (1, 64)}
@@ -267,10 +268,14 @@ def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
   by_split = lambda name: {mesh for mesh, _, split, _ in valid if split == name}
   assert ((1, 1, 1, 4) in by_split('sp')) and ((1, 4, 1, 1) in by_split('cp'))
   assert all(mesh[3] > 1 for mesh in by_split('sp'))  # activations' sequence over tensor
+  assert by_split('sp_cm') == by_split('sp')
   assert all(mesh[1] > 1 for mesh in by_split('cp'))  # the sequence over fsdp
   sp = next(c for c, split, reason in found if split == 'sp' and reason is None)
   assert sp.sharding.rules.act_seq == ('tensor',) and tiny_config.sharding.rules.act_seq != (
       'tensor',)
+  assert not sp.model.collective_matmul and not tiny_config.model.collective_matmul
+  rings = next(c for c, split, reason in found if split == 'sp_cm' and reason is None)
+  assert rings.model.collective_matmul and rings.sharding.rules.act_seq == ('tensor',)
 
 
 def test_analyze_says_a_step_does_not_fit_a_small_device():

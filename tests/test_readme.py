@@ -236,7 +236,7 @@ TABLE = {
     '[--devices-per-node 8] [--json]':
         run_by(ANALYZE, note='a syntax summary: FILE a program compiled for 8 H100s here'),
     'python -m jaxllm.tune --config configs/tiny.py [--devices N] [--remat none,full] '
-    '[--micro-batches 1,2] [--zero 0,1,2] [--splits none,sp,cp,cp_sp] [--loss-chunk 0,1024] '
+    '[--micro-batches 1,2] [--zero 0,1,2] [--splits none,sp,sp_cm,cp,cp_sp] [--loss-chunk 0,1024] '
     '[--measure 2]':
         run_by(ANALYZE, note='a syntax summary: with --devices 1 --remat none --micro-batches 1 '
                '(bracket-free it is 80 compiles, 9 CPU-minutes)'),

@@ -39,6 +39,8 @@ CONTEXT_PARALLEL = {'sharding.rules.batch': ('data',), 'sharding.rules.seq': ('f
 SPLITS = {  # name: (what a row says, the config fields it sets)
     'none': ('', {}),
     'sp': ('sequence parallel (tensor)', SEQUENCE_PARALLEL),
+    'sp_cm': ('sequence parallel (tensor), collective matmul',
+              {**SEQUENCE_PARALLEL, 'model.collective_matmul': True}),
     'cp': ('context parallel (fsdp)', CONTEXT_PARALLEL),
     'cp_sp': ('context (fsdp) + sequence (tensor) parallel',
               {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
