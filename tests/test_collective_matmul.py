@@ -125,20 +125,12 @@ def tiny_programs():
 
 def layer_computations(text: str, num_layers: int) -> set[str]:
   """The computations the layer scans run: the bodies of the loops of `num_layers` trips, and
-  every computation they call."""
+  every computation they call (as `hlo.call_counts` walks them)."""
   computations, _ = hlo.parse_module(text)
-  callees = lambda inst: re.findall(r'(?:body|condition|calls|to_apply|true_computation|'
-                                    r'false_computation)=%?([\w.\-]+)', inst.attrs)
-  todo = [re.search(r'body=%?([\w.\-]+)', inst.attrs).group(1)
-          for insts in computations.values() for inst in insts.values()
-          if inst.opcode == 'while' and f'"known_trip_count":{{"n":"{num_layers}"}}' in inst.attrs]
-  found = set()
-  while todo:
-    name = todo.pop()
-    if name not in found:
-      found.add(name)
-      todo += [c for inst in computations[name].values() for c in callees(inst)]
-  return found
+  bodies = [re.search(r'body=%?([\w.\-]+)', inst.attrs).group(1)
+            for insts in computations.values() for inst in insts.values()
+            if inst.opcode == 'while' and f'"known_trip_count":{{"n":"{num_layers}"}}' in inst.attrs]
+  return {name for body in bodies for name in hlo.call_counts(computations, body)}
 
 
 def is_matmul(computations, insts, inst) -> bool:

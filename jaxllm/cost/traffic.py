@@ -30,10 +30,10 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     instead, b·s·h gathered and its gradient reduce-scattered, (N−1)·(1 + g')·b·s·h (g' the
     gradient's bytes per activation byte), the targets and mask, (N−1)·8·b·s, and each row's
     log-sum-exp from every slice, (N−1)·N·4·b·s (b·s·h / S after a pipeline of S stages);
-    under a pipeline with
-    gather_weights='step' the stage weights likewise, once for all iterations; the embedding
-    lookup moves rows, not weights: the looked-up b·s·h forward and backward, 2(N−1)/N·b·s·h; the
-    parameters fsdp does not split (norm scales) are all-reduced, 2(N−1)/N·g·P.
+    under a pipeline with gather_weights='step' the stage weights likewise, once for all
+    iterations; the embedding lookup moves rows, not weights: the looked-up b·s·h forward and
+    backward, 2(N−1)/N·b·s·h; the parameters fsdp does not split (norm scales) are
+    all-reduced, 2(N−1)/N·g·P.
     (No figure for gather_weights='iteration'.)
   tensor: 4 all-reduces of b·s·h per layer and micro-batch (2 forward, 2 backward), 2(N−1)/N
     each. With sequence parallelism (rules.act_seq over tensor) each is a reduce-scatter and an
