@@ -15,6 +15,7 @@ plugin) compiles for N GPUs on a machine that has none (`jaxllm.backends.gpu_dev
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -128,6 +129,15 @@ def read_hlo_flags(argv: list[str]) -> tuple[str, object, int, int]:
   return text, hardware, DEVICES.value, per_node
 
 
+def fp8_speedup(cfg, devices, hardware, prediction: dict) -> dict:
+  """The same step in bf16 (model.fp8='none'), compiled and timed alike, beside the FP8 one."""
+  bf16 = copy.deepcopy(cfg)
+  bf16.model.fp8 = 'none'
+  baseline = report(compile_step(bf16, devices), hardware)['prediction']
+  return {'recipe': cfg.model.fp8, 'bf16_step_s': baseline['step_s'], 'bf16_mfu': baseline['mfu'],
+          'speedup': baseline['step_s'] / prediction['step_s']}
+
+
 def main(argv: list[str]) -> None:
   if any(a == '--hlo' or a.startswith('--hlo=') for a in argv[1:]):
     text, hardware, devices, per_node = read_hlo_flags(argv)
@@ -139,6 +149,8 @@ def main(argv: list[str]) -> None:
     check_dump_directory(_DUMP.value)  # before the long part
   compiled = compile_step(cfg, devices)
   r = report(compiled, hardware)
+  if cfg.model.fp8 != 'none' and r['prediction']:
+    r['fp8_speedup'] = fp8_speedup(cfg, devices, hardware, r['prediction'])
   print(json.dumps(r, indent=2) if _JSON.value else format_report(r))
   if _DUMP.value:
     write_dump(_DUMP.value, compiled, r)

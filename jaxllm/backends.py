@@ -32,18 +32,29 @@ def start_backends(cfg: ConfigDict | None = None) -> None:
   if cfg and cfg.cpu_devices:
     jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
   flags = cfg.xla_flags if cfg and cfg.xla_flags else ''
-  model = cfg.get('model') if cfg else None
-  if model and model.grad_reduce_dtype == 'bfloat16' and not nvidia_gpu_present():
-    # XLA's CPU compiler aborts the process on the bf16 gradient reduce-scatter in its
-    # all-reduce-promotion pass ("Invalid binary instruction opcode copy"); the pass only
-    # widens narrow reductions, which this run asked for.
-    flags += ' --xla_disable_hlo_passes=all-reduce-promotion'
   if flags.strip():
     os.environ['XLA_FLAGS'] = f"{flags.strip()} {os.environ.get('XLA_FLAGS', '')}".strip()
   if not jax.config.jax_platforms and cuda_plugin_installed() and not nvidia_gpu_present():
     # The plugin would fail its start-up check with a long traceback before JAX fell back to
     # the CPU. Left out of the platforms, it still compiles for GPUs (`gpu_devices`).
     jax.config.update('jax_platforms', 'cpu')
+
+
+def compiler_options(model_cfg: ConfigDict, platform: str) -> dict:
+  """XLA's options for the programs of a model (its train and eval steps) on `platform`."""
+  bf16_reductions = model_cfg.grad_reduce_dtype == 'bfloat16' or (
+      model_cfg.dtype == 'bfloat16' and model_cfg.fp8 != 'none')
+  if platform == 'cpu' and bf16_reductions:
+    # XLA's CPU compiler aborts the process on some bf16 all-reduces (a bf16 gradient
+    # reduce-scatter; an FP8 model's on a mesh) in its all-reduce-promotion pass ("Invalid
+    # binary instruction opcode copy"); the pass only widens narrow reductions, which GPUs
+    # run as they are.
+    return {'xla_disable_hlo_passes': 'all-reduce-promotion'}
+  if platform == 'gpu' and model_cfg.fp8 != 'none':
+    # FP8 matmuls as cuBLASLt FP8 calls, as NVIDIA's FP8 recipes for XLA run them, where
+    # XLA's own Triton GEMMs would otherwise take them (and the bf16 ones).
+    return {'xla_gpu_enable_triton_gemm': False}
+  return {}
 
 
 def use_compilation_cache(setting: str) -> None:
@@ -113,6 +124,12 @@ def installed_cudnn() -> tuple[int, int, int] | None:
   return None
 
 
+def plugin_cuda() -> tuple[int, int, int]:
+  """The CUDA release the installed plugin runs on (13.0 for cuda13): XLA's GPU compiler
+  offers what needs a newer toolkit (cuBLASLt's FP8 matmuls) only when it knows it."""
+  return (13, 0, 0) if importlib.util.find_spec(CUDA_PLUGINS[0]) else (12, 0, 0)
+
+
 def gpu_devices(hardware: Hardware, count: int) -> list:
   """`count` compile-only devices of the profile's GPU, in nodes of `devices_per_node`, one
   host each (as a real run lays them out): what a step is lowered and compiled for."""
@@ -128,7 +145,8 @@ def gpu_devices(hardware: Hardware, count: int) -> list:
   from jax.experimental import topologies
   topology = topologies.get_topology_desc(
       platform='cuda', topology=f'1x{nodes}x{count // nodes}',
-      target_config=hardware.gpu.target_config(hardware.memory, installed_cudnn()))
+      target_config=hardware.gpu.target_config(hardware.memory, installed_cudnn(),
+                                                plugin_cuda()))
   return topology.devices
 
 

@@ -16,6 +16,7 @@ REMAT_POLICIES = ('none', 'full', 'dots', 'dots_except_mlp', 'attention')
 
 
 ATTENTION_IMPLS = ('xla', 'cudnn')
+FP8_RECIPES = ('none', 'delayed', 'current')
 
 
 DTYPES = ('float32', 'bfloat16')
@@ -117,6 +118,13 @@ def default_config() -> ConfigDict:
       # attention-output and down matmuls run as rings of transfers hidden behind those
       # matmuls, block by block (jaxllm.parallel.collective_matmul). Nothing on tensor=1.
       collective_matmul=False,
+      # The layer matmuls (attention's q/k/v and output projections, the MLP's) in FP8:
+      # 'none', 'delayed' (scales from an amax history kept in the train state, as Transformer
+      # Engine's default recipe) or 'current' (scales from this step's amaxes). Inputs and
+      # weights are E4M3, output gradients E5M2 (jaxllm.model.fp8). The embedding, head,
+      # attention itself, norms and loss keep `dtype`.
+      fp8='none',
+      fp8_history=1024,       # delayed: steps of amaxes each scale is taken from
   ))
 
   # -1 means "whatever is left of the devices"; at most one axis may say so.

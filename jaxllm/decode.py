@@ -7,6 +7,7 @@ pass, then tokens are decoded one at a time inside one jitted `lax.while_loop`, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -183,6 +184,9 @@ def generate(model_cfg: ConfigDict, params: nnx.State, prompt_ids, max_new_token
                   model_cfg)
   rules, shards = layout.rules, layout.batch_shards
   model_cfg = with_available_attention(model_cfg, mesh.devices.flat[0].platform)
+  if model_cfg.get('fp8', 'none') != 'none':  # a training recipe: generation takes `dtype`
+    model_cfg = copy.deepcopy(model_cfg)
+    model_cfg.fp8 = 'none'
   count = len(rows)
   rows += [rows[0]] * (-count % shards)
   P = max(len(row) for row in rows)

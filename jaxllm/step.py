@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from jaxllm.model import Transformer, sequence_positions
+from jaxllm.model import Transformer, fp8, sequence_positions
 from jaxllm.optim import lr_schedule
 from jaxllm.parallel.mesh import (check_divisible, logical_spec, sharding_context,
                                   split_micro_batches)
@@ -25,15 +25,24 @@ class TrainState(NamedTuple):
   params: nnx.State      # master weights (model.param_dtype), sharded by the rules
   opt_state: Any         # optax state; moments (optim.state_dtype) carry the params' shardings,
                          # split over data as well under ZeRO (sharding.zero ≥ 1, `over_data`)
+  fp8: fp8.Fp8State | None = None  # delayed FP8 scaling's scales and amax histories, laid out
+                                   # as the blocks' parameters (model.fp8='delayed')
+
+
+def split_model(model: Transformer):
+  """(graphdef, parameters, FP8 scales): the scales are empty but under delayed scaling."""
+  return nnx.split(model, nnx.Param, fp8.Fp8Scales)
 
 
 def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: int,
                pipeline: PipelineSpec | None):
   def create():
-    params = nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+    _, params, scales = split_model(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
     if pipeline:
-      params = to_stage_order(params, pipeline.stages, pipeline.repeats)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+      params, scales = to_stage_order((params, scales), pipeline.stages, pipeline.repeats)
+    fp8_state = (fp8.initial_state(scales, model_cfg.fp8_history)
+                 if model_cfg.fp8 == 'delayed' else None)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), fp8_state)
   return create
 
 
@@ -46,7 +55,7 @@ def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, 
   Raises ConfigError when a sharded dimension does not split evenly over its mesh axes.
   """
   with sharding_context(mesh, rules):
-    graphdef, abstract_params = nnx.split(
+    graphdef, abstract_params, _ = split_model(
         nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     check_divisible(abstract_params, mesh)
     abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed, pipeline))
@@ -70,10 +79,11 @@ def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, ru
 
 
 def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None,
-               z_loss: float = 0.0):
+               z_loss: float = 0.0, fp8_scales: nnx.State | None = None):
   """(objective, (cross-entropy, tokens)): the objective and the next-token cross-entropy
-  summed over unmasked targets, and their count (fp32). The objective adds `z_loss`·log²Z."""
-  model = nnx.merge(graphdef, params)
+  summed over unmasked targets, and their count (fp32). The objective adds `z_loss`·log²Z.
+  `fp8_scales`: delayed FP8 scaling's (its gradient is the matmuls' amaxes)."""
+  model = nnx.merge(graphdef, params, *([] if fp8_scales is None else [fp8_scales]))
   tokens_BT = batch['inputs']
   # Packed rows say where each token sits in its document; plain rows are one sequence each.
   positions_BT = batch.get('positions', sequence_positions(tokens_BT))
@@ -117,8 +127,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
                     zero: int = 0, z_loss: float = 0.0):
   """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch.
 
-  With `skip_nonfinite`, a step whose loss or gradients are not finite leaves params and
-  optimizer state as they were (Adam's count too), but for the schedule's step count: it
+  With `skip_nonfinite`, a step whose loss or gradients are not finite leaves params,
+  optimizer state and FP8 scales and histories as they were (Adam's count too), but for the schedule's step count: it
   advances with `state.step` (as does the data), so the schedule's lr stays the one the log
   shows (`skip_if`).
   `zero` (sharding.zero): 1 reduce-scatters the summed gradients over data once per step,
@@ -128,35 +138,46 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
   the objective; the loss in the metrics stays the cross-entropy.
   """
   objective_grads = jax.value_and_grad(
-      lambda p, b: loss_terms(graphdef, p, b, pipeline, z_loss), has_aux=True)
+      lambda p, s, b: loss_terms(graphdef, p, b, pipeline, z_loss, s), argnums=(0, 1),
+      has_aux=True)
 
-  def grad_fn(params, batch):
-    """((cross-entropy sum, tokens), the objective's gradients)."""
-    (_, sums), grads = objective_grads(params, batch)
-    return sums, grads
+  def grad_fn(params, scales, batch):
+    """((cross-entropy sum, tokens), the objective's gradients, the FP8 matmuls' amaxes (None
+    without delayed scaling))."""
+    (_, sums), (grads, amaxes) = objective_grads(params, scales, batch)
+    return sums, grads, amaxes
 
-  def accumulate(params, batch, micro_grads=grad_fn, specs=None):
-    """Summed gradients, summed loss and token count over the micro-batches, in turn:
-    `micro_grads(params, micro_batch)` each, kept in `specs`' layout (the params')."""
+  def accumulate(params, scales, batch, micro_grads=grad_fn, specs=None):
+    """Summed gradients, the amaxes' maxima, summed loss and token count over the
+    micro-batches, in turn: `micro_grads(params, scales, micro_batch)` each, the gradients
+    kept in `specs`' layout (the params')."""
     specs = nnx.get_partition_spec(params) if specs is None else specs
     pin = lambda g: jax.lax.with_sharding_constraint(g, specs)
     if micro_batches == 1:
-      (loss_sum, tokens), grads = micro_grads(params, batch)
-      return pin(grads), loss_sum, tokens
+      (loss_sum, tokens), grads, amaxes = micro_grads(params, scales, batch)
+      return pin(grads), amaxes, loss_sum, tokens
 
     def add_micro_batch(carry, micro_batch):
-      grads, loss_sum, tokens = carry
-      (mb_loss, mb_tokens), mb_grads = micro_grads(params, micro_batch)
+      grads, amaxes, loss_sum, tokens = carry
+      (mb_loss, mb_tokens), mb_grads, mb_amaxes = micro_grads(params, scales, micro_batch)
       grads = pin(jax.tree.map(jnp.add, grads, mb_grads))
-      return (grads, loss_sum + mb_loss, tokens + mb_tokens), None
+      amaxes = jax.tree.map(jnp.maximum, amaxes, mb_amaxes)
+      return (grads, amaxes, loss_sum + mb_loss, tokens + mb_tokens), None
 
     # fp32 whatever the parameters' dtype: bf16 sums of many micro-batches lose the small ones
     zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    no_amaxes = jax.tree.map(jnp.zeros_like, scales)
     micro = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
-    carry, _ = jax.lax.scan(add_micro_batch, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+    carry, _ = jax.lax.scan(add_micro_batch,
+                            (zeros, no_amaxes, jnp.float32(0), jnp.float32(0)), micro)
     return carry
 
-  def gradients(params, batch):
+  def reduced(axes):
+    """Sums over `axes` but for the amaxes (the second entry), which take their maximum."""
+    return lambda grads, amaxes, *sums: (jax.lax.psum(grads, axes),
+                                         jax.lax.pmax(amaxes, axes), *jax.lax.psum(sums, axes))
+
+  def gradients(params, scales, batch):
     """`accumulate` over the whole batch. Over the batch axes whose devices hold whole
     parameters (data), each device accumulates its own rows' gradients in fp32, and the sums
     are all-reduced once, after the last micro-batch: left to the compiler, they would be
@@ -164,46 +185,50 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     stay with the compiler inside. ZeRO-2 reduces per micro-batch on purpose: `split_sum`."""
     axes = replicated_batch_axes(params)
     if not axes:
-      return accumulate(params, batch)
+      return accumulate(params, scales, batch)
     if zero == 2 and micro_batches > 1 and 'data' in axes:
-      return split_sum(params, batch, axes)
-    summed = lambda params, batch: jax.lax.psum(accumulate(params, batch), axes)
-    return jax.shard_map(summed, in_specs=(P(), P(axes)), out_specs=P(), axis_names=set(axes),
-                         check_vma=False)(params, batch)
+      return split_sum(params, scales, batch, axes)
+    summed = lambda *args: reduced(axes)(*accumulate(*args))
+    return jax.shard_map(summed, in_specs=(P(), P(), P(axes)), out_specs=P(),
+                         axis_names=set(axes), check_vma=False)(params, scales, batch)
 
-  def split_sum(params, batch, axes):
+  def split_sum(params, scales, batch, axes):
     """ZeRO-2's `gradients`: the fp32 sum split over data as the moments are, each
     micro-batch's gradients all-reduced over the batch axes and sliced into it, which the
     compilers make a reduce-scatter. (A psum_scatter inside the shard_map would first gather
     the shards of the axes left to the compiler.)"""
     param_specs = nnx.get_partition_spec(params)
 
-    def summed(params, micro_batch):
-      (loss_sum, tokens), grads = grad_fn(params, micro_batch)
+    def summed(params, scales, micro_batch):
+      (loss_sum, tokens), grads, amaxes = grad_fn(params, scales, micro_batch)
       grads = jax.lax.with_sharding_constraint(grads, param_specs)
       grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-      return jax.lax.psum(((loss_sum, tokens), grads), axes)
+      grads, amaxes, loss_sum, tokens = reduced(axes)(grads, amaxes, loss_sum, tokens)
+      return (loss_sum, tokens), grads, amaxes
 
-    micro_grads = jax.shard_map(summed, in_specs=(P(), P(axes)), out_specs=P(),
+    micro_grads = jax.shard_map(summed, in_specs=(P(), P(), P(axes)), out_specs=P(),
                                 axis_names=set(axes), check_vma=False)
-    return accumulate(params, batch, micro_grads, zero_specs(params))
+    return accumulate(params, scales, batch, micro_grads, zero_specs(params))
 
   def train_step(state: TrainState, batch):
     # Under ZeRO the moments' layout (split over data: `state_shapes`) alone makes the
     # all-reduce of the sums a reduce-scatter, the update run on each device's slice and the
     # new parameters all-gathered: pinning grads and updates to it too compiles the same program.
-    grads, loss_sum, tokens = gradients(state.params, batch)
+    scales = None if state.fp8 is None else state.fp8.scales
+    grads, amaxes, loss_sum, tokens = gradients(state.params, scales, batch)
     tokens = jnp.maximum(tokens, 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    fp8_state = None if state.fp8 is None else fp8.next_delayed_state(state.fp8, amaxes)
     loss, grad_norm = loss_sum / tokens, optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
-      params, opt_state = (skip_if(~finite, new, old) for new, old in
-                           ((params, state.params), (opt_state, state.opt_state)))
+      params, opt_state, fp8_state = (
+          skip_if(~finite, new, old) for new, old in
+          ((params, state.params), (opt_state, state.opt_state), (fp8_state, state.fp8)))
     metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule(state.step), finite=finite)
-    return TrainState(state.step + 1, params, opt_state), metrics
+    return TrainState(state.step + 1, params, opt_state, fp8_state), metrics
 
   return train_step
 

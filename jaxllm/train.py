@@ -22,12 +22,13 @@ from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from jaxllm import distributed, hf, metrics
-from jaxllm.backends import counting_cache_hits, start_backends, use_compilation_cache
+from jaxllm.backends import (compiler_options, counting_cache_hits, start_backends,
+                             use_compilation_cache)
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import TrainingError
 from jaxllm.data import Streams, make_batches, make_eval_batches
-from jaxllm.model import with_available_attention
+from jaxllm.model import fp8, with_available_attention
 from jaxllm.optim import make_optimizer
 from jaxllm.parallel.mesh import host_split, hosts, make_mesh, sharding_context
 from jaxllm.parallel.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
@@ -92,7 +93,8 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   state, origin = _initial_state(cfg, mesh, layout, tx, pipeline, abstract, shardings,
                                  checkpoints, batches)
   step = train_step_for(cfg, graphdef, tx, pipeline)
-  train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
+  train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None),
+                       compiler_options=compiler_options(cfg.model, mesh.devices.flat[0].platform))
   return Run(cfg, mesh, layout, graphdef, state, origin, train_step, batches, eval_batches,
              pipeline, checkpoints)
 
@@ -122,7 +124,8 @@ def _initial_state(cfg: ConfigDict, mesh, layout: Layout, tx, pipeline: Pipeline
 
       def fresh_optimizer(params):
         params = to_stage_order(params, *stages)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                          fp8.initial_state_like(abstract.fp8))
 
       state = jax.jit(fresh_optimizer, out_shardings=shardings)(params)
       return state, f'parameters from {cfg.init_from}, fresh optimizer state'
@@ -278,7 +281,8 @@ class StepTrace:
 def evaluate(run: Run, eval_step, state: TrainState) -> dict[str, float]:
   """Token-mean loss and perplexity over the eval split's batches."""
   with sharding_context(run.mesh, run.layout.rules):
-    sums = [eval_step(state.params, batch) for batch in run.eval_batches()]
+    scales = None if state.fp8 is None else state.fp8.scales
+    sums = [eval_step(state.params, scales, batch) for batch in run.eval_batches()]
   loss_sum, tokens = np.sum(jax.device_get(sums), axis=0)
   loss = float(loss_sum / max(tokens, 1.0))
   return {'eval_loss': loss, 'eval_perplexity': float(np.exp(loss))}
@@ -347,7 +351,9 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
   step `stop(step)` is true for; `trace` profiles the steps it asks for."""
   cfg, ckpt = run.cfg, run.checkpoints
   eval_step = jax.jit(
-      lambda params, batch: loss_terms(run.graphdef, params, batch, run.pipeline)[1])
+      lambda params, fp8_scales, batch: loss_terms(run.graphdef, params, batch, run.pipeline,
+                                                   fp8_scales=fp8_scales)[1],
+      compiler_options=compiler_options(cfg.model, run.mesh.devices.flat[0].platform))
 
   batch = next(run.batches)
   start = time.perf_counter()

@@ -9,7 +9,7 @@ import math
 
 from ml_collections import ConfigDict
 
-from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DTYPES, GATHER_MODES,
+from jaxllm.config import (ATTENTION_IMPLS, FP8_RECIPES, DATA_FORMATS, DATA_SOURCES, DTYPES, GATHER_MODES,
                            MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES, SCHEDULES, ZERO_STAGES,
                            ConfigError, pipeline_shape)
 from jaxllm.parallel.rules import batch_shards, mesh_axes
@@ -143,6 +143,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
                         f'{unknown}; use {", ".join(MESH_AXES)}.')
   _validate_sequence_split(cfg, mesh_shape)
   _validate_collective_matmul(cfg)
+  _validate_fp8(cfg.model)
 
 
 def _batch_split(cfg: ConfigDict) -> str:
@@ -289,3 +290,14 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
         f'{cfg.train.micro_batches}) is not divisible by pipeline.microbatches×'
         f'{_batch_split(cfg)} = {M}×{shards}; make it a multiple of '
         f'{M * shards * cfg.train.micro_batches} or change pipeline.microbatches.')
+
+
+def _validate_fp8(model_cfg: ConfigDict) -> None:
+  """model.fp8's recipe, its history, and what it does not combine with."""
+  _choice(model_cfg.fp8, 'model.fp8', FP8_RECIPES)
+  if model_cfg.fp8 == 'delayed' and model_cfg.fp8_history < 1:
+    raise ConfigError(f'model.fp8_history={model_cfg.fp8_history} must be at least 1 (steps '
+                      'of amaxes a delayed scale is taken from).')
+  if model_cfg.fp8 != 'none' and model_cfg.collective_matmul:
+    raise ConfigError(f'model.fp8={model_cfg.fp8!r} and model.collective_matmul=True: the '
+                      "collective matmul's rings run bf16 blocks; set one of them off.")

@@ -407,7 +407,7 @@ def test_config_xla_flags_come_before_the_environments(monkeypatch):
 def test_bf16_gradient_reduction_trains_on_the_cpu(tmp_path):
   """`model.grad_reduce_dtype=bfloat16` on the CPU: XLA's CPU compiler aborted the process
   (exit 134) in a pass that widens narrow reductions, which this run asked for and which
-  start_backends leaves out."""
+  `jaxllm.backends.compiler_options` leaves out."""
   result = run_cli('--config', 'configs/tiny.py', '--workdir', str(tmp_path),
                    '--config.train.steps=2', '--config.optim.warmup_steps=0',
                    '--config.model.dtype=bfloat16', '--config.model.grad_reduce_dtype=bfloat16')

@@ -643,3 +643,35 @@ def test_cublas_gemms_count_their_flops(options, h100s):
     assert t.by_category['gemm'] == pytest.approx(
         2 * 256 * 512 * 384 / rates.gemm_rate('bf16xbf16->bf16', 1, 256, 384, 512)
         + 2 * 4 * 128 * 256 * 64 / rates.gemm_rate('bf16xbf16->bf16', 4, 128, 64, 256), rel=0.01)
+
+
+@pytest.mark.parametrize('recipe', ['delayed', 'current'])
+def test_fp8_layer_matmuls_are_cublaslt_fp8_calls_and_gather_fp8(recipe, h100s):
+  """configs/tiny.py with model.fp8 on 8 H100s: every matmul of the layers (forward, input
+  and weight gradients) is a cuBLASLt FP8 call taking E4M3 inputs and weights and E5M2
+  output gradients, none left in bf16; only the head's stay bf16; and fsdp gathers the
+  layers' weights in FP8."""
+  compiled = compile_step(tiny(fp8=recipe), h100s)
+  computations, counts = hlo.program(compiled.text)
+  kinds = collections.Counter()
+  for comp, insts in computations.items():
+    for inst in insts.values():
+      if counts.get(comp) and (shape := hlo.gemm_shape(insts, inst)):
+        target = re.search(r'custom_call_target="([^"]+)"', inst.attrs)
+        kinds[target.group(1) if target else inst.opcode, shape[0].split('->')[0]] += (
+            counts[comp])
+  fp8 = {k: n for k, n in kinds.items() if k[0] == '__cublas$lt$matmul$f8'}
+  assert {types for _, types in fp8} == {'f8e4m3fnxf8e4m3fn', 'f8e5m2xf8e4m3fn',
+                                         'f8e4m3fnxf8e5m2'}, kinds
+  layers = tiny().model.num_layers
+  # 7 matmuls a layer in each pass (forward, input and weight gradients); XLA may merge those
+  # of one operand (q, k and v's; gate and up's) into one call: 4 a layer at the fewest
+  for n in fp8.values():
+    assert 4 * layers <= n <= 7 * layers, kinds
+  bf16 = {k: n for k, n in kinds.items() if 'bf16' in k[1]}
+  assert sum(bf16.values()) <= 3, kinds  # the head's forward and two gradients
+  gathered = collections.Counter()
+  for c in hlo.collectives(compiled.text, compiled.mesh_shape, cpu=False):
+    if c.kind == 'all-gather' and c.axes == ('fsdp',):
+      gathered[c.dtype] += c.bytes
+  assert gathered['f8e4m3fn'] > gathered['bf16'] > 0  # the layers' weights; the head's

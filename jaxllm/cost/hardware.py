@@ -47,9 +47,10 @@ class Gpu:
   fp32_units_per_sm: int
   shared_memory_per_sm: int  # bytes; a block may opt in to all but 1 KiB of it
 
-  def target_config(self, memory: int, cudnn: tuple[int, int, int] | None) -> str:
+  def target_config(self, memory: int, cudnn: tuple[int, int, int] | None,
+                    cuda: tuple[int, int, int]) -> str:
     """The device as a GpuTargetConfigProto in text form, with `memory` bytes of memory and
-    the given cuDNN version (the one a run would use decides the fused kernels offered)."""
+    the given cuDNN and CUDA versions (those a run would use decide the kernels offered)."""
     major, minor = self.compute_capability
     lines = [
         'gpu_device_info {',
@@ -70,6 +71,7 @@ class Gpu:
         'platform_name: "CUDA"',
         f'device_description_str: "{self.name}"',
     ]
+    lines.append('runtime_version {{ major: {} minor: {} patch: {} }}'.format(*cuda))
     if cudnn:
       lines.append('dnn_version_info {{ major: {} minor: {} patch: {} }}'.format(*cudnn))
     return '\n'.join(lines) + '\n'

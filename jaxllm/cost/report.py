@@ -241,6 +241,11 @@ def format_report(r: dict) -> str:
   for a in r['largest_arrays']:
     lines.append(f'  {size_text(a["bytes"]):>12}  {a["shape"]:28} {a["op"]}')
   lines += prediction_lines(pr, hw['name'])
+  if speedup := r.get('fp8_speedup'):
+    lines.append(f'FP8 (model.fp8={speedup["recipe"]!r}) against bf16 (model.fp8=\'none\', '
+                 f'compiled and timed alike): predicted step {seconds_text(pr["step_s"])} against '
+                 f'{seconds_text(speedup["bf16_step_s"])}, {speedup["speedup"]:.2f}× '
+                 f'(bf16 MFU {speedup["bf16_mfu"]:.1%})')
   return '\n'.join(lines)
 
 

@@ -23,7 +23,8 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     g = 1 (the ZeRO paper's "same traffic as data parallelism"); with sharding.zero=2 the
     reduce-scatter runs per micro-batch, (N−1)/N·(M·g + 1)·Z.
   fsdp, per micro-batch: the layers' weights all-gathered in forward and backward and their
-    gradients reduce-scattered, (N−1)/N·(2a + g)·P; the loss (`model.loss.splits_vocabulary`
+    gradients reduce-scattered, (N−1)/N·(2a + g)·P (with model.fp8 the layers' matmul weights
+    are quantized before they are gathered: a = 1 byte per parameter byte of them); the loss (`model.loss.splits_vocabulary`
     says which) either gathers the output head once (it takes its gradients as it goes) and
     reduce-scatters its gradient, (N−1)/N·(a + g)·P, or splits the vocabulary over fsdp:
     the head moved to the slices and its gradient back, (N−1)/N·(a + g)·P/N, and the rows
@@ -83,7 +84,10 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
       loss = (a + g) * head / n + n * ((1 + g / a) * loss_bsh + 8 * tokens) + n * n * 4 * tokens
     else:
       loss = (a + g) * head
-    per_micro = ((a + g if c.pipeline else 2 * a + g) * blocks + loss + 2 * g * unsplit +
+    # FP8 weights are quantized where they lie and gathered in 1 byte (not in the pipeline,
+    # whose stage gather runs first, in the compute dtype).
+    w = 1 / jnp.dtype(m.param_dtype).itemsize if m.fp8 != 'none' and not c.pipeline else a
+    per_micro = ((a + g if c.pipeline else 2 * w + g) * blocks + loss + 2 * g * unsplit +
                  2 * bsh)
     expected[('fsdp',)] = (n - 1) / n * t.micro_batches * per_micro
   n = shape['tensor']

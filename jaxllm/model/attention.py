@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from jaxllm.model.kv_cache import LayerCache, cached_attention
+from jaxllm.model import fp8
 from jaxllm.model.layers import param, apply_rope, project, project_all, rope_frequencies
 from jaxllm.parallel.mesh import constrain, dividing_spec
 from jaxllm.parallel.rules import kv_heads_fit, mesh_axes
@@ -32,6 +33,7 @@ class Attention(nnx.Module):
     self.wk_DKH = param(rngs, init, (D, K, H), ('embed', 'kv_heads', 'head_dim'), pd)
     self.wv_DKH = param(rngs, init, (D, K, H), ('embed', 'kv_heads', 'head_dim'), pd)
     self.wo_NHD = param(rngs, out_init, (N, H, D), ('heads', 'head_dim', 'embed'), pd)
+    self.fp8_qkv, self.fp8_out = fp8.group_scales(cfg, 3), fp8.group_scales(cfg, 1)
     self.cfg = cfg
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
@@ -40,7 +42,8 @@ class Attention(nnx.Module):
         x_BTD, (('btd,dnh->btnh', self.wq_DNH[...], ('embed', 'heads', 'head_dim')),
                 ('btd,dkh->btkh', self.wk_DKH[...], ('embed', 'kv_heads', 'head_dim')),
                 ('btd,dkh->btkh', self.wv_DKH[...], ('embed', 'kv_heads', 'head_dim'))),
-        self.cfg.grad_reduce_dtype, self.cfg.collective_matmul)
+        self.cfg.grad_reduce_dtype, self.cfg.collective_matmul, self.cfg.fp8,
+        fp8.value(self.fp8_qkv))
     # Names for the remat policies that keep some activations (REMAT).
     q_BTNH = checkpoint_name(constrain(q_BTNH, 'batch', 'seq', 'act_heads', None), 'q_proj')
     k_BTKH = checkpoint_name(constrain(k_BTKH, 'batch', 'seq', 'act_kv_heads', None), 'k_proj')
@@ -57,7 +60,8 @@ class Attention(nnx.Module):
     if self.cfg.attention != 'cudnn':  # cuDNN's output is kept as the kernel's (REMAT)
       o_BTNH = checkpoint_name(o_BTNH, 'attention')
     out_BTD = project('btnh,nhd->btd', o_BTNH, self.wo_NHD[...], self.cfg.grad_reduce_dtype,
-                      w_names=('heads', 'head_dim', 'embed'), collective=self.cfg.collective_matmul)
+                      w_names=('heads', 'head_dim', 'embed'), collective=self.cfg.collective_matmul,
+                      fp8=self.cfg.fp8, fp8_scales=fp8.value(self.fp8_out))
     return out_BTD if cache is None else (out_BTD, (k_BTKH, v_BTKH))
 
 

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
+from jaxllm.model.fp8 import group_scales, matmuls as fp8_matmuls, value as scales_of
 from jaxllm.parallel import collective_matmul
 from jaxllm.parallel.mesh import constrain, keep_axes, logical_spec
 from jaxllm.parallel.rules import mesh_axes
@@ -65,7 +66,8 @@ def apply_rope(x_BTnH, positions_BT, inv_freq):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTnH.dtype)
 
 
-def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None, collective=False):
+def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None, collective=False,
+            fp8: str = 'none', fp8_scales=None):
   """`jnp.einsum(spec, x, w)` on x's dtype, w cast to it first (so an fsdp gather moves that
   dtype), giving `out_dtype` (default x's). The backward runs both matmuls on x's dtype too,
   on the weight as the forward's matmul took it (one gather per pass, whatever the remat
@@ -81,7 +83,12 @@ def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None, collectiv
   `collective` (model.collective_matmul): where the output's sequence is split over tensor
   (sequence parallelism) and w's contracted axes are too (attention's output, the MLP's down
   projection), the partial sums are reduce-scattered round a ring beside the matmul
-  (`collective_matmul.matmul_reduce_scatter`), not after it."""
+  (`collective_matmul.matmul_reduce_scatter`), not after it.
+
+  `fp8` (model.fp8): 'delayed' or 'current' runs the matmul in FP8 (`fp8.matmuls`), with the
+  group's `fp8_scales` under delayed scaling; the output then takes x's dtype."""
+  if fp8 != 'none':
+    return project_all(x, ((spec, w, w_names),), grad_dtype, fp8=fp8, fp8_scales=fp8_scales)[0]
   if collective and collective_matmul.scatters(spec, x, w_names):
     return checkpoint_name(collective_matmul.matmul_reduce_scatter(spec, x, w, w_names,
                                                                     grad_dtype), 'projection')
@@ -91,11 +98,18 @@ def project(spec: str, x, w, grad_dtype, out_dtype=None, w_names=None, collectiv
                                   jnp.dtype(w.dtype), x, w), 'projection')
 
 
-def project_all(x, projections, grad_dtype, collective=False) -> tuple:
+def project_all(x, projections, grad_dtype, collective=False, fp8: str = 'none',
+                fp8_scales=None) -> tuple:
   """`project` of one input x by each of `projections`, (spec, w, w_names) triples: q, k and
   v, or gate and up. With `collective` (model.collective_matmul), where x's sequence is split
   over tensor (sequence parallelism), x's blocks go round a ring once for all of them while
-  the matmuls run (`collective_matmul.all_gather_matmul`), not all-gathered before."""
+  the matmuls run (`collective_matmul.all_gather_matmul`), not all-gathered before.
+  `fp8` and `fp8_scales` as `project`'s: x is quantized once for all of them."""
+  if fp8 != 'none':
+    specs, ws, names = zip(*projections)
+    gathered = tuple(_gathered_over_sequence(n) if n else None for n in names)
+    return tuple(checkpoint_name(y, 'projection') for y in
+                 fp8_matmuls(specs, x, ws, fp8_scales, grad_dtype, gathered))
   if collective and collective_matmul.gathers(x, projections):
     return tuple(checkpoint_name(y, 'projection') for y in
                  collective_matmul.all_gather_matmul(x, projections, grad_dtype))
@@ -157,14 +171,17 @@ class MLP(nnx.Module):
     self.w_gate_DF = param(rngs, init, (D, F), ('embed', 'mlp'), pd)
     self.w_up_DF = param(rngs, init, (D, F), ('embed', 'mlp'), pd)
     self.w_down_FD = param(rngs, out_init, (F, D), ('mlp', 'embed'), pd)
+    self.fp8_gate_up, self.fp8_down = group_scales(cfg, 2), group_scales(cfg, 1)
     self.grad_reduce_dtype = cfg.grad_reduce_dtype
     self.collective_matmul = cfg.collective_matmul
+    self.fp8 = cfg.fp8
 
   def __call__(self, x_BTD):
     gate_BTF, up_BTF = project_all(
         x_BTD, (('btd,df->btf', self.w_gate_DF[...], ('embed', 'mlp')),
                 ('btd,df->btf', self.w_up_DF[...], ('embed', 'mlp'))),
-        self.grad_reduce_dtype, self.collective_matmul)
+        self.grad_reduce_dtype, self.collective_matmul, self.fp8, scales_of(self.fp8_gate_up))
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, 'batch', 'seq', 'act_mlp')
     return project('btf,fd->btd', h_BTF, self.w_down_FD[...], self.grad_reduce_dtype,
-                   w_names=('mlp', 'embed'), collective=self.collective_matmul)
+                   w_names=('mlp', 'embed'), collective=self.collective_matmul, fp8=self.fp8,
+                   fp8_scales=scales_of(self.fp8_down))

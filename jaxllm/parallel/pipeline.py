@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import pipeline_shape
+from jaxllm.model import fp8
 from jaxllm.model.remat import stack_policy
 from jaxllm.model.transformer import scan_blocks
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
@@ -87,7 +89,7 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
   compute dtype and their gradients reduced in its grad_reduce_dtype."""
   remat, compute_dtype, grad_dtype = model_cfg.remat, model_cfg.dtype, model_cfg.grad_reduce_dtype
   S, R, M = spec.stages, spec.repeats, spec.microbatches
-  graphdef, stacked = nnx.split(blocks)
+  graphdef, stacked, scales = nnx.split(blocks, nnx.Param, fp8.Fp8Scales)
   # The pipeline is manual over 'pipe' and the batch axes (data, fsdp) not manual already (the
   # train step makes data manual: `step.gradients`): each device then sums its weight gradients
   # over all micro-batches locally, and they are reduced across those axes once per pipeline
@@ -103,29 +105,33 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
       w, tuple((dim, axis) for dim, entry in enumerate(s) for axis in reversed(mesh_axes(entry))
                if axis in batch_axes), jnp.dtype(compute_dtype), jnp.dtype(grad_dtype))
 
-  def run_stage(staged, repeat, x_BTD, rows_info):
+  def run_stage(staged, scales, repeat, x_BTD, rows_info):
     if spec.gather_weights == 'iteration':
       # Tie the gather to this iteration's input, or the compiler hoists it out of the loop.
       staged, x_BTD = jax.lax.optimization_barrier((staged, x_BTD))
       staged = jax.tree.map(gather, staged, in_specs)
     # This device's stage. With one repeat the slice is fixed: the weights stay loop
     # invariants, which the backward pass reads without a copy per iteration.
-    layers = jax.tree.map(lambda w: w[0, 0] if R == 1 else w[0, repeat], staged)
-    return scan_blocks(graphdef, layers, x_BTD, *rows_info, remat)
+    layers = jax.tree.map(lambda w: w[0, 0] if R == 1 else w[0, repeat], (staged, scales))
+    return scan_blocks(graphdef, nnx.merge_state(*layers), x_BTD, *rows_info, remat)
 
   if R > 1 or spec.gather_weights == 'iteration':
     # Weights sliced or gathered anew in every iteration are recomputed for the backward pass
     # instead of kept once per iteration; everything else is kept as model.remat says.
     run_stage = jax.checkpoint(run_stage, policy=stack_policy(remat), prevent_cse=False)
 
-  def stages_fn(staged, x_M, info_M):
+  def stages_fn(staged, scales, x_M, info_M):
     if spec.gather_weights == 'step':  # once, for every iteration
       staged = jax.tree.map(gather, staged, in_specs)
+    # One copy of the FP8 scales per iteration (each device has its own: `fan_out` below), so
+    # their gradients, the amaxes, are each iteration's and the largest is taken.
+    scales = jax.tree.map(lambda s: fp8.fan_out(s[0], spec.iterations), scales)
     stage = jax.lax.axis_index('pipe')
     is_first, is_last = stage == 0, stage == S - 1
     ring = [(i, (i + 1) % S) for i in range(S)]
 
-    def iteration(carry, t):
+    def iteration(carry, t_scales):
+      t, scales = t_scales
       incoming, loop_buffer, outputs = carry
       item = t - stage                      # the micro-batch entry this stage works on now
       valid = (item >= 0) & (item < R * M)
@@ -134,7 +140,7 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
       first_input = x_M[mb] if R == 1 else jnp.where(repeat == 0, x_M[mb], loop_buffer[mb])
       x = jnp.where(is_first, first_input, incoming)
       x = jnp.where(valid, x, 0)            # bubbles compute on zeros: what they hold can't leak
-      y = run_stage(staged, repeat, x, jax.tree.map(lambda a: a[mb], info_M))
+      y = run_stage(staged, scales, repeat, x, jax.tree.map(lambda a: a[mb], info_M))
       done = is_last & valid & (repeat == R - 1)
       outputs = outputs.at[mb].set(jnp.where(done, y, outputs[mb]))
       incoming = jax.lax.ppermute(y, 'pipe', ring)
@@ -150,7 +156,7 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
     fill = jnp.full(x_M.shape[1:], spec.bubble_fill, x_M.dtype)
     loop_buffer = jnp.broadcast_to(fill, x_M.shape) if R > 1 else jnp.zeros((), x_M.dtype)
     init = (fill, loop_buffer, jnp.zeros_like(x_M))
-    (_, _, outputs), _ = jax.lax.scan(iteration, init, jnp.arange(spec.iterations))
+    (_, _, outputs), _ = jax.lax.scan(iteration, init, (jnp.arange(spec.iterations), scales))
     # The last stage holds every output (the others zeros): each stage takes M/S of them, so
     # what follows (the output head and loss) runs once per row, split over the stages.
     mine = jax.lax.psum_scatter(outputs, 'pipe', scatter_dimension=0, tiled=True)
@@ -159,9 +165,14 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
   rows = P(None, batch_axes)
   # Positions and segment ids of each micro-batch's rows (a None segment_ids has no leaves).
   info_M = jax.tree.map(lambda a: split_micro_batches(a, M), (positions_BT, segment_ids_BT))
-  return jax.shard_map(stages_fn, in_specs=(in_specs, rows, rows),
+  # Delayed FP8 scaling's scales, one copy per device of the batch axes (as the stage's).
+  devices = [a for a in batch_axes if a not in jax.sharding.get_abstract_mesh().manual_axes]
+  copies = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in devices)
+  scales = jax.tree.map(lambda s: fp8.fan_out(s.reshape(S, R, -1, *s.shape[1:]), copies), scales)
+  scale_specs = jax.tree.map(lambda s: P(tuple(devices), 'pipe'), scales)
+  return jax.shard_map(stages_fn, in_specs=(in_specs, scale_specs, rows, rows),
                        out_specs=P(('pipe', *batch_axes)), axis_names=manual,
-                       check_vma=False)(staged, split_micro_batches(x_BTD, M), info_M)
+                       check_vma=False)(staged, scales, split_micro_batches(x_BTD, M), info_M)
 
 
 def stage_row_order(a, micro_batches: int):
