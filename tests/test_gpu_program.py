@@ -675,3 +675,12 @@ def test_fp8_layer_matmuls_are_cublaslt_fp8_calls_and_gather_fp8(recipe, h100s):
     if c.kind == 'all-gather' and c.axes == ('fsdp',):
       gathered[c.dtype] += c.bytes
   assert gathered['f8e4m3fn'] > gathered['bf16'] > 0  # the layers' weights; the head's
+
+  # analyze's speed-up over bf16: the same config without FP8, compiled and timed alike
+  from jaxllm.analyze import fp8_speedup
+  r = report(compiled, H100)
+  r['fp8_speedup'] = fp8_speedup(compiled.cfg, h100s, H100, r['prediction'])
+  bf16 = report(compile_step(tiny(), h100s), H100)['prediction']
+  assert r['fp8_speedup']['bf16_step_s'] == bf16['step_s']
+  assert r['fp8_speedup']['speedup'] == pytest.approx(bf16['step_s'] / r['prediction']['step_s'])
+  assert f"FP8 (model.fp8={recipe!r}) against bf16" in format_report(r)
