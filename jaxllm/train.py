@@ -169,7 +169,8 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, layout: Layout,
       f'({micro // shards} per shard)',
       f'compute  {m.dtype} (params {m.param_dtype}, moments {cfg.optim.state_dtype}'
       + (f' split over data, ZeRO-{layout.zero}' if layout.zero else '')
-      + f'), attention {m.attention}, remat {m.remat}']
+      + f'), attention {m.attention}, remat {m.remat}'
+      + (f', layer matmuls in FP8 ({m.fp8} scaling)' if m.fp8 != 'none' else '')]
   if isinstance(batches, Streams):
     lines.append(f'data     read as {batches.streams} stream(s) of '
                  f'{t.global_batch // batches.streams} rows per batch (data.streams)')

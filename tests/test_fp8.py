@@ -167,7 +167,7 @@ def test_fp8_off_keeps_no_scales_and_no_fp8_in_the_program(corpus):
   assert 'f8e4m3fn' in compile_step(cfg, jax.devices()[:2]).text
 
 
-def test_resumed_fp8_run_repeats_the_uninterrupted_one_exactly(corpus, tmp_path):
+def test_resumed_fp8_run_repeats_the_uninterrupted_one_exactly(corpus, tmp_path, capsys):
   """Delayed scaling's scales and histories are checkpointed: 4 steps straight, against the
   same run resumed from its step-2 checkpoint, bit for bit (losses, params and FP8 state)."""
   cfg = fp8_config(corpus, 'delayed', data=2, tensor=2)
@@ -177,6 +177,7 @@ def test_resumed_fp8_run_repeats_the_uninterrupted_one_exactly(corpus, tmp_path)
   shutil.rmtree(tmp_path / 'resumed' / 'checkpoints' / '4')
   resumed, resumed_history = train(cfg, str(tmp_path / 'resumed'), jax.devices()[:4])
   assert [r['step'] for r in resumed_history] == [3, 4]
+  assert 'layer matmuls in FP8 (delayed scaling)' in capsys.readouterr().out
   assert [r['loss'] for r in resumed_history] == [r['loss'] for r in whole_history[2:]]
   for got, want in paired_leaves(jax.device_get(resumed), jax.device_get(whole)):
     np.testing.assert_array_equal(got, want)
