@@ -2,6 +2,7 @@
 matmuls' gradients against a numpy FP8 reference, every mesh axis against one device, and a
 resumed run against an uninterrupted one."""
 
+import math
 import shutil
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 from conftest import paired_leaves, text_config
 from jaxllm.config import ConfigError
 from jaxllm.model import fp8
+from jaxllm.parallel.pipeline import from_stage_order
 from jaxllm.train import train
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -115,41 +117,57 @@ def fp8_config(corpus, recipe, **mesh):
 
 @pytest.fixture(scope='module')
 def one_device_fp8(corpus):
-  """Per recipe: the one-device FP8 run's losses and state, and FP8's own noise on them: the
-  most FP8's rounding moves a step's loss on one device from the same run without it."""
+  """Per recipe, the one-device FP8 run's losses and state; and FP8's own noise on this run:
+  the most either recipe's rounding moves a step's loss from the same run without FP8."""
   _, plain = train(fp8_config(corpus, 'none'), devices=jax.devices()[:1])
   plain = np.array([row['loss'] for row in plain])
   runs = {}
   for recipe in ('delayed', 'current'):
     state, history = train(fp8_config(corpus, recipe), devices=jax.devices()[:1])
-    losses = np.array([row['loss'] for row in history])
-    runs[recipe] = losses, jax.device_get(state), np.abs(losses - plain).max()
-  return runs
+    runs[recipe] = np.array([row['loss'] for row in history]), jax.device_get(state)
+  noise = max(np.abs(losses - plain).max() for losses, _ in runs.values())
+  return runs, noise
 
 
-@pytest.mark.parametrize('recipe', ['delayed', 'current'])
-@pytest.mark.parametrize('mesh', [dict(data=2, fsdp=2, tensor=2), dict(pipe=2, data=2, fsdp=2)],
-                         ids=['data_fsdp_tensor', 'pipe_data_fsdp'])
-def test_every_mesh_axis_trains_like_one_device(recipe, mesh, corpus, one_device_fp8):
+MESHES = {  # id: (mesh, other fields)
+    'data_fsdp_tensor': (dict(data=2, fsdp=2, tensor=2), {}),
+    'pipe_data_fsdp': (dict(pipe=2, data=2, fsdp=2), {}),
+    # a circular pipeline's stage-major scales, and ZeRO-2's per-micro-batch reductions
+    'circular_zero2': (dict(pipe=2, data=2), {'pipeline.schedule': 'circular',
+                                              'pipeline.repeats': 2, 'sharding.zero': 2,
+                                              'train.micro_batches': 2}),
+}
+
+
+@pytest.mark.parametrize('recipe, mesh_id', [
+    *((recipe, mesh_id) for recipe in ('delayed', 'current')
+      for mesh_id in ('data_fsdp_tensor', 'pipe_data_fsdp')),
+    ('delayed', 'circular_zero2')])
+def test_every_mesh_axis_trains_like_one_device(recipe, mesh_id, corpus, one_device_fp8):
   """Four steps of bf16 compute with FP8 matmuls on a mesh give the one-device FP8 losses
-  to within half of FP8's own noise on one device (a mesh's partial sums round
-  bf16 differently, which moves some FP8 roundings; 5e-5 is what bf16 alone moves on this
-  mesh). A scale or amax taken from one shard instead of all of them moves the loss by more
-  than FP8 itself. Under delayed scaling the amax histories and scales match too.
-
-  Current scaling takes the amaxes of what each device holds when the step splits the batch
-  by hand (as Transformer Engine's does per GPU): in a pipeline, each device's rows of each
-  micro-batch, a further FP8 rounding of its own; there the bound is FP8's whole noise."""
-  want_losses, want_state, noise = one_device_fp8[recipe]
-  state, history = train(fp8_config(corpus, recipe, **mesh))
+  to within half of FP8's own noise on one device, plus 5e-5 (what bf16 alone moves on these
+  meshes): a mesh's partial sums round bf16 differently, which moves some FP8 roundings, and
+  current scaling takes the amaxes of what each device holds where the step splits the batch
+  by hand (as Transformer Engine's does per GPU). A scale taken from a wrong amax moves the
+  loss by as much as FP8 itself. Under delayed scaling the amax histories and scales match
+  too (amaxes over every shard, micro-batch and pipeline iteration)."""
+  runs, noise = one_device_fp8
+  want_losses, want_state = runs[recipe]
+  mesh, fields = MESHES[mesh_id]
+  cfg = fp8_config(corpus, recipe, **mesh)
+  for field, value in fields.items():
+    section, name = field.split('.')
+    cfg[section][name] = value
+  state, history = train(cfg, devices=jax.devices()[:math.prod(mesh.values())])
   losses = np.array([row['loss'] for row in history])
-  share = 1.5 if recipe == 'current' and 'pipe' in mesh else 0.5
-  assert (np.abs(losses - want_losses) <= share * noise + 5e-5).all(), (losses, want_losses,
-                                                                        noise)
+  assert (np.abs(losses - want_losses) <= 0.5 * noise + 5e-5).all(), (losses, want_losses,
+                                                                      noise)
   if recipe == 'current':
     assert state.fp8 is None
     return
-  got = jax.device_get(state.fp8)  # GPipe keeps the blocks in layer order
+  got = jax.device_get(state.fp8)
+  if 'pipeline.repeats' in fields:  # stored stage-major
+    got = from_stage_order(got, mesh['pipe'], fields['pipeline.repeats'])
   for scales, want in paired_leaves(got.scales, want_state.fp8.scales):
     # Amaxes of tensors four steps of FP8 noise apart; a sum over the 2 to 8 shards that split
     # a tensor would be twice its maximum or more, and one shard's maximum seldom the whole's.

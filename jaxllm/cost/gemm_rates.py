@@ -5,7 +5,8 @@ xla/service/gpu/model/default_matmul_perf_table.txtpb, formerly matmul_interpola
 the H100 bf16/f32 rows from commit b2766086, the FP8 rows from 71feeddf): the median kernel
 time of each shape over 5 runs, launch not included, FLOPs = 2·m·n·k. Here the rows with no
 batch (b = 1), indexed [m][n][k] over SIZES. The FP8 rows are e4m3 × e4m3 → bf16; at their
-largest shapes they exceed the H100's dense FP8 peak, so `hardware.gemm_rate` caps them.
+largest shapes they exceed what the largest FP8 matmuls reach on an H100 (1,400 TFLOP/s), so
+`hardware.gemm_rate` caps them there.
 """
 
 SIZES = (256, 512, 1024, 2048, 4096)

@@ -7,15 +7,18 @@ of these matmuls a cuBLASLt FP8 call with the scales as its operands. On the CPU
 the FP8 types, with the same rounding.
 
 Scaling recipes:
-- 'current': each scale comes from this step's amax of its tensor (the maximum over every shard,
-  whatever the mesh). No state.
+- 'current': each scale comes from this step's amax of its tensor: over every shard the
+  compiler splits, and where the step splits the batch by hand (data; data and fsdp in a
+  pipeline), over the device's own rows, as Transformer Engine's current scaling is per GPU.
+  No state.
 - 'delayed' (Transformer Engine's and Flax's recipe): each scale comes from the largest amax in
   a history of the last `model.fp8_history` steps', kept in the train state. The matmuls report
   this step's amaxes as the gradient of their scales (`Fp8Scales`); `next_delayed_state` rolls
   them into the history and makes the next step's scales.
 
-Where one value feeds several matmuls (micro-batches, pipeline iterations, devices that split
-the batch), its amaxes are combined by their maximum, not summed: `fan_out`.
+Where one delayed scale serves several matmuls (micro-batches, pipeline iterations, devices
+that split the batch), their amaxes are combined by their maximum, not summed (`fan_out`), so
+the history holds each tensor's amax over the whole step.
 """
 
 from __future__ import annotations
@@ -92,7 +95,9 @@ def quantize(x, scale, dtype):
 
 
 def dequantize(q, scale, dtype):
-  return (q.astype(jnp.float32) * scale).astype(dtype)
+  """q·scale in `dtype`: the form XLA's GPU compiler folds into a cuBLASLt FP8 call (the scale
+  an operand of the call, applied in fp32) where a matmul takes it."""
+  return q.astype(dtype) * scale.astype(dtype)
 
 
 def group_formats(size: int) -> jax.Array:
@@ -155,6 +160,13 @@ def _scales(scales, x, ws):
   return scale_for(amax(x), largest(E4M3)), [scale_for(amax(w), largest(E4M3)) for w in ws]
 
 
+def _matmul(spec, a, sa, b, sb, compute_dtype, out_dtype):
+  """einsum of two FP8 operands with their scales, in `compute_dtype`, giving `out_dtype`:
+  one cuBLASLt FP8 call on a GPU; on a CPU, XLA's emulation of it."""
+  return jnp.einsum(spec, dequantize(a, sa, compute_dtype), dequantize(b, sb, compute_dtype),
+                    preferred_element_type=out_dtype)
+
+
 def _laid_out(w, gathered):
   return w if gathered is None else jax.lax.with_sharding_constraint(w, gathered)
 
@@ -165,17 +177,16 @@ def _matmuls(specs, grad_dtype, gathered, w_dtypes, x, ws, scales):
 
 
 def _matmuls_fwd(specs, grad_dtype, gathered, w_dtypes, x, ws, scales):
+  # Weights in the compute dtype first, as a pipeline's stage gather hands them over: the
+  # same FP8 values wherever the step runs.
+  ws = [w.astype(x.dtype) for w in ws]
   sx, sws = _scales(scales, x, ws)
   qx = quantize(x, sx, E4M3)
   qws = [_laid_out(quantize(w, s, E4M3), g) for w, s, g in zip(ws, sws, gathered)]
-  ys = tuple(_scaled(spec, qx, qw, sx * sw, x.dtype) for spec, qw, sw in zip(specs, qws, sws))
+  ys = tuple(_matmul(spec, qx, sx, qw, sw, x.dtype, x.dtype)
+             for spec, qw, sw in zip(specs, qws, sws))
   seen = None if scales is None else (amax(x), [amax(w) for w in ws])
   return ys, (qx, sx, qws, sws, scales, seen)
-
-
-def _scaled(spec, a, b, scale, dtype):
-  """einsum of two FP8 operands, rescaled by `scale`, in `dtype` (one cuBLASLt FP8 call)."""
-  return (jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
 
 
 def _matmuls_bwd(specs, grad_dtype, gathered, w_dtypes, residuals, gs):
@@ -192,11 +203,11 @@ def _matmuls_bwd(specs, grad_dtype, gathered, w_dtypes, residuals, gs):
                                                     gathered):
     x_axes, rest = spec.split(',')
     w_axes, out_axes = rest.split('->')
-    dx_i = _scaled(f'{out_axes},{w_axes}->{x_axes}', qg, qw, sg * sw, x_dtype)
+    dx_i = _matmul(f'{out_axes},{w_axes}->{x_axes}', qg, sg, qw, sw, x_dtype, x_dtype)
     dx = dx_i if dx is None else dx + dx_i
     # each device's positions' share where the weight was gathered, summed (and split) after
-    dw = _laid_out(_scaled(f'{x_axes},{out_axes}->{w_axes}', qx, qg, sx * sg, grad_dtype),
-                   layout)
+    dw = _laid_out(_matmul(f'{x_axes},{out_axes}->{w_axes}', qx, sx, qg, sg, x_dtype,
+                           grad_dtype), layout)
     dws.append(dw.astype(w_dtype))
   if scales is None:
     return dx, tuple(dws), None
