@@ -17,9 +17,9 @@ and each other value's difference from the reference, the eval losses, and, over
 steps, the differences' statistics beside the train loss's own noise from one logged row to the
 next; then each run's wall time. `--plot` draws the loss curves and the differences.
 
-The runs compute in bf16, so the compiler options (`jaxllm.backends.compiler_options`) leave
-XLA's all-reduce-promotion pass out of each run's CPU program (the CPU compiler aborts in it on
-some bf16 all-reduces): every value's program is compiled alike.
+The runs compute in bf16. Where a value asks for bf16 reductions (model.grad_reduce_dtype=
+bfloat16, an FP8 model), the compiler options (`jaxllm.backends.compiler_options`) leave XLA's
+all-reduce-promotion pass out of that run's CPU program, where the CPU compiler would abort.
 """
 
 import json

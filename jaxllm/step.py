@@ -128,9 +128,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
   """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch.
 
   With `skip_nonfinite`, a step whose loss or gradients are not finite leaves params,
-  optimizer state and FP8 scales and histories as they were (Adam's count too), but for the schedule's step count: it
-  advances with `state.step` (as does the data), so the schedule's lr stays the one the log
-  shows (`skip_if`).
+  optimizer state and FP8 scales and histories as they were (Adam's count too), but for the
+  schedule's step count: it advances with `state.step` (as does the data), so the schedule's
+  lr stays the one the log shows (`skip_if`).
   `zero` (sharding.zero): 1 reduce-scatters the summed gradients over data once per step,
   updates each device's slice of the parameters with its slice of the moments and
   all-gathers the result; 2 also keeps the gradient sum split over data, each micro-batch's

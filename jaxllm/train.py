@@ -93,8 +93,9 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   state, origin = _initial_state(cfg, mesh, layout, tx, pipeline, abstract, shardings,
                                  checkpoints, batches)
   step = train_step_for(cfg, graphdef, tx, pipeline)
+  options = compiler_options(cfg.model, mesh.devices.flat[0].platform)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None),
-                       compiler_options=compiler_options(cfg.model, mesh.devices.flat[0].platform))
+                       compiler_options=options)
   return Run(cfg, mesh, layout, graphdef, state, origin, train_step, batches, eval_batches,
              pipeline, checkpoints)
 

@@ -9,9 +9,9 @@ import math
 
 from ml_collections import ConfigDict
 
-from jaxllm.config import (ATTENTION_IMPLS, FP8_RECIPES, DATA_FORMATS, DATA_SOURCES, DTYPES, GATHER_MODES,
-                           MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES, SCHEDULES, ZERO_STAGES,
-                           ConfigError, pipeline_shape)
+from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DTYPES, FP8_RECIPES,
+                           GATHER_MODES, MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES, SCHEDULES,
+                           ZERO_STAGES, ConfigError, pipeline_shape)
 from jaxllm.parallel.rules import batch_shards, mesh_axes
 
 def resolve_mesh(mesh_cfg: ConfigDict, num_devices: int) -> dict[str, int]:

@@ -23,10 +23,11 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     g = 1 (the ZeRO paper's "same traffic as data parallelism"); with sharding.zero=2 the
     reduce-scatter runs per micro-batch, (N−1)/N·(M·g + 1)·Z.
   fsdp, per micro-batch: the layers' weights all-gathered in forward and backward and their
-    gradients reduce-scattered, (N−1)/N·(2a + g)·P (with model.fp8 the layers' matmul weights
-    are quantized before they are gathered: a = 1 byte per parameter byte of them); the loss (`model.loss.splits_vocabulary`
-    says which) either gathers the output head once (it takes its gradients as it goes) and
-    reduce-scatters its gradient, (N−1)/N·(a + g)·P, or splits the vocabulary over fsdp:
+    gradients reduce-scattered, (N−1)/N·(2a + g)·P (with model.fp8 the layers' matmul
+    weights are quantized before they are gathered: there a is 1 byte per parameter byte);
+    the loss (`model.loss.splits_vocabulary` says which) either gathers the output head once
+    (it takes its gradients as it goes) and reduce-scatters its gradient, (N−1)/N·(a + g)·P,
+    or splits the vocabulary over fsdp:
     the head moved to the slices and its gradient back, (N−1)/N·(a + g)·P/N, and the rows
     instead, b·s·h gathered and its gradient reduce-scattered, (N−1)·(1 + g')·b·s·h (g' the
     gradient's bytes per activation byte), the targets and mask, (N−1)·8·b·s, and each row's

@@ -14,8 +14,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from jaxllm.model.kv_cache import LayerCache, cached_attention
 from jaxllm.model import fp8
+from jaxllm.model.kv_cache import LayerCache, cached_attention
 from jaxllm.model.layers import param, apply_rope, project, project_all, rope_frequencies
 from jaxllm.parallel.mesh import constrain, dividing_spec
 from jaxllm.parallel.rules import kv_heads_fit, mesh_axes

@@ -95,9 +95,7 @@ def quantize(x, scale, dtype):
 
 
 def dequantize(q, scale, dtype):
-  """q·scale in `dtype`: the form XLA's GPU compiler folds into a cuBLASLt FP8 call (the scale
-  an operand of the call, applied in fp32) where a matmul takes it."""
-  return q.astype(dtype) * scale.astype(dtype)
+  return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def group_formats(size: int) -> jax.Array:
@@ -160,11 +158,15 @@ def _scales(scales, x, ws):
   return scale_for(amax(x), largest(E4M3)), [scale_for(amax(w), largest(E4M3)) for w in ws]
 
 
-def _matmul(spec, a, sa, b, sb, compute_dtype, out_dtype):
-  """einsum of two FP8 operands with their scales, in `compute_dtype`, giving `out_dtype`:
-  one cuBLASLt FP8 call on a GPU; on a CPU, XLA's emulation of it."""
-  return jnp.einsum(spec, dequantize(a, sa, compute_dtype), dequantize(b, sb, compute_dtype),
-                    preferred_element_type=out_dtype)
+def _matmul(spec, a, sa, b, sb, out_dtype):
+  """einsum of two FP8 operands, rescaled by their scales' product, in `out_dtype`: one
+  cuBLASLt FP8 call on a GPU (on a CPU, XLA's emulation of it), then one elementwise pass.
+  The operands stay FP8 up to the matmul, so where XLA merges the matmuls of one input (q, k
+  and v; gate and up) the merged one is FP8 too. (Written as FP8 values times their scales,
+  the form XLA folds the scales into the call with, a merged matmul concatenates scaled bf16
+  weights and runs in bf16.)"""
+  product = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  return (product * (sa * sb)).astype(out_dtype)
 
 
 def _laid_out(w, gathered):
@@ -177,14 +179,10 @@ def _matmuls(specs, grad_dtype, gathered, w_dtypes, x, ws, scales):
 
 
 def _matmuls_fwd(specs, grad_dtype, gathered, w_dtypes, x, ws, scales):
-  # Weights in the compute dtype first, as a pipeline's stage gather hands them over: the
-  # same FP8 values wherever the step runs.
-  ws = [w.astype(x.dtype) for w in ws]
   sx, sws = _scales(scales, x, ws)
   qx = quantize(x, sx, E4M3)
   qws = [_laid_out(quantize(w, s, E4M3), g) for w, s, g in zip(ws, sws, gathered)]
-  ys = tuple(_matmul(spec, qx, sx, qw, sw, x.dtype, x.dtype)
-             for spec, qw, sw in zip(specs, qws, sws))
+  ys = tuple(_matmul(spec, qx, sx, qw, sw, x.dtype) for spec, qw, sw in zip(specs, qws, sws))
   seen = None if scales is None else (amax(x), [amax(w) for w in ws])
   return ys, (qx, sx, qws, sws, scales, seen)
 
@@ -203,11 +201,11 @@ def _matmuls_bwd(specs, grad_dtype, gathered, w_dtypes, residuals, gs):
                                                     gathered):
     x_axes, rest = spec.split(',')
     w_axes, out_axes = rest.split('->')
-    dx_i = _matmul(f'{out_axes},{w_axes}->{x_axes}', qg, sg, qw, sw, x_dtype, x_dtype)
+    dx_i = _matmul(f'{out_axes},{w_axes}->{x_axes}', qg, sg, qw, sw, x_dtype)
     dx = dx_i if dx is None else dx + dx_i
     # each device's positions' share where the weight was gathered, summed (and split) after
-    dw = _laid_out(_matmul(f'{x_axes},{out_axes}->{w_axes}', qx, sx, qg, sg, x_dtype,
-                           grad_dtype), layout)
+    dw = _laid_out(_matmul(f'{x_axes},{out_axes}->{w_axes}', qx, sx, qg, sg, grad_dtype),
+                   layout)
     dws.append(dw.astype(w_dtype))
   if scales is None:
     return dx, tuple(dws), None
