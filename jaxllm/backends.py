@@ -52,8 +52,10 @@ def compiler_options(model_cfg: ConfigDict, platform: str) -> dict:
     return {'xla_disable_hlo_passes': 'all-reduce-promotion'}
   if platform == 'gpu' and model_cfg.fp8 != 'none':
     # FP8 matmuls as cuBLASLt FP8 calls, as NVIDIA's FP8 recipes for XLA run them, where
-    # XLA's own Triton GEMMs would otherwise take them (and the bf16 ones).
-    return {'xla_gpu_enable_triton_gemm': False}
+    # XLA's own Triton GEMMs would otherwise take them (and the bf16 ones). Unmerged: XLA's
+    # merging of the matmuls of one input (q, k and v; gate and up) concatenates their
+    # weights as scaled bf16 (`fp8._matmul`), and the merged matmul runs in bf16.
+    return {'xla_gpu_enable_triton_gemm': False, 'xla_gpu_dot_merger_threshold_mb': 0}
   return {}
 
 

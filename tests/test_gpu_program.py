@@ -664,10 +664,8 @@ def test_fp8_layer_matmuls_are_cublaslt_fp8_calls_and_gather_fp8(recipe, h100s, 
   assert {types for _, types in fp8} == {'f8e4m3fnxf8e4m3fn', 'f8e5m2xf8e4m3fn',
                                          'f8e4m3fnxf8e5m2'}, kinds
   layers = tiny().model.num_layers
-  # 7 matmuls a layer in each pass (forward, input and weight gradients); XLA may merge those
-  # of one operand (q, k and v's; gate and up's) into one call: 4 a layer at the fewest
-  for n in fp8.values():
-    assert 4 * layers <= n <= 7 * layers, kinds
+  # 7 matmuls a layer in each pass (forward, input and weight gradients), none merged
+  assert set(fp8.values()) == {7 * layers}, kinds
   bf16 = {k: n for k, n in kinds.items() if 'bf16' in k[1]}
   assert sum(bf16.values()) <= 3, kinds  # the head's forward and two gradients
   gathered = collections.Counter()

@@ -158,15 +158,13 @@ def _scales(scales, x, ws):
   return scale_for(amax(x), largest(E4M3)), [scale_for(amax(w), largest(E4M3)) for w in ws]
 
 
-def _matmul(spec, a, sa, b, sb, out_dtype):
-  """einsum of two FP8 operands, rescaled by their scales' product, in `out_dtype`: one
-  cuBLASLt FP8 call on a GPU (on a CPU, XLA's emulation of it), then one elementwise pass.
-  The operands stay FP8 up to the matmul, so where XLA merges the matmuls of one input (q, k
-  and v; gate and up) the merged one is FP8 too. (Written as FP8 values times their scales,
-  the form XLA folds the scales into the call with, a merged matmul concatenates scaled bf16
-  weights and runs in bf16.)"""
-  product = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-  return (product * (sa * sb)).astype(out_dtype)
+def _matmul(spec, a, sa, b, sb, compute_dtype, out_dtype):
+  """einsum of two FP8 operands with their scales in `out_dtype`: one cuBLASLt FP8 call on a
+  GPU, the scales its operands (on a CPU, XLA's emulation of it). Each operand is written as
+  its FP8 values times its scale in `compute_dtype`, the form XLA folds into the call."""
+  dequantized = lambda q, s: q.astype(compute_dtype) * s.astype(compute_dtype)
+  return jnp.einsum(spec, dequantized(a, sa), dequantized(b, sb),
+                    preferred_element_type=out_dtype)
 
 
 def _laid_out(w, gathered):
@@ -182,7 +180,8 @@ def _matmuls_fwd(specs, grad_dtype, gathered, w_dtypes, x, ws, scales):
   sx, sws = _scales(scales, x, ws)
   qx = quantize(x, sx, E4M3)
   qws = [_laid_out(quantize(w, s, E4M3), g) for w, s, g in zip(ws, sws, gathered)]
-  ys = tuple(_matmul(spec, qx, sx, qw, sw, x.dtype) for spec, qw, sw in zip(specs, qws, sws))
+  ys = tuple(_matmul(spec, qx, sx, qw, sw, x.dtype, x.dtype)
+             for spec, qw, sw in zip(specs, qws, sws))
   seen = None if scales is None else (amax(x), [amax(w) for w in ws])
   return ys, (qx, sx, qws, sws, scales, seen)
 
@@ -201,11 +200,11 @@ def _matmuls_bwd(specs, grad_dtype, gathered, w_dtypes, residuals, gs):
                                                     gathered):
     x_axes, rest = spec.split(',')
     w_axes, out_axes = rest.split('->')
-    dx_i = _matmul(f'{out_axes},{w_axes}->{x_axes}', qg, sg, qw, sw, x_dtype)
+    dx_i = _matmul(f'{out_axes},{w_axes}->{x_axes}', qg, sg, qw, sw, x_dtype, x_dtype)
     dx = dx_i if dx is None else dx + dx_i
     # each device's positions' share where the weight was gathered, summed (and split) after
-    dw = _laid_out(_matmul(f'{x_axes},{out_axes}->{w_axes}', qx, sx, qg, sg, grad_dtype),
-                   layout)
+    dw = _laid_out(_matmul(f'{x_axes},{out_axes}->{w_axes}', qx, sx, qg, sg, x_dtype,
+                           grad_dtype), layout)
     dws.append(dw.astype(w_dtype))
   if scales is None:
     return dx, tuple(dws), None
