@@ -115,6 +115,7 @@ def fp8_config(corpus, recipe, **mesh):
   return cfg
 
 
+@pytest.fixture(scope='module')
 def one_device_fp8(corpus):
   """Per recipe, the one-device FP8 run's losses and state; and FP8's own noise on this run:
   the most either recipe's rounding moves a step's loss from the same run without FP8."""
@@ -128,47 +129,49 @@ def one_device_fp8(corpus):
   return runs, noise
 
 
-CASES = [  # (recipe, mesh, other fields): both recipes on every axis, and delayed scaling on a
-           # circular pipeline's stage-major scales with ZeRO-2's per-micro-batch reductions
-    *((recipe, mesh, {}) for recipe in ('delayed', 'current')
-      for mesh in (dict(data=2, fsdp=2, tensor=2), dict(pipe=2, data=2, fsdp=2))),
-    ('delayed', dict(pipe=2, data=2), {'pipeline.schedule': 'circular', 'pipeline.repeats': 2,
-                                       'sharding.zero': 2, 'train.micro_batches': 2}),
-]
+CASES = {  # id: (recipe, mesh, other fields): both recipes on every axis, and delayed scaling
+           # on a circular pipeline's stage-major scales with ZeRO-2's per-micro-batch sums
+    **{f'{recipe}-{name}': (recipe, mesh, {}) for recipe in ('delayed', 'current')
+       for name, mesh in (('data_fsdp_tensor', dict(data=2, fsdp=2, tensor=2)),
+                          ('pipe_data_fsdp', dict(pipe=2, data=2, fsdp=2)))},
+    'delayed-circular_zero2': ('delayed', dict(pipe=2, data=2), {
+        'pipeline.schedule': 'circular', 'pipeline.repeats': 2, 'sharding.zero': 2,
+        'train.micro_batches': 2}),
+}
 
 
-def test_every_mesh_axis_trains_like_one_device(corpus):
+@pytest.mark.parametrize('case', CASES)
+def test_every_mesh_axis_trains_like_one_device(case, corpus, one_device_fp8):
   """Four steps of bf16 compute with FP8 matmuls on a mesh give the one-device FP8 losses
   to within half of FP8's own noise on one device, plus 5e-5 (what bf16 alone moves on these
   meshes): a mesh's partial sums round bf16 differently, which moves some FP8 roundings, and
   current scaling takes the amaxes of what each device holds where the step splits the batch
   by hand (as Transformer Engine's does per GPU). A scale taken from a wrong amax moves the
   loss by as much as FP8 itself. Under delayed scaling the amax histories and scales match
-  too (amaxes over every shard, micro-batch and pipeline iteration). One test for all the
-  meshes: they share the one-device runs."""
-  runs, noise = one_device_fp8(corpus)
-  for recipe, mesh, fields in CASES:
-    want_losses, want_state = runs[recipe]
-    cfg = fp8_config(corpus, recipe, **mesh)
-    for field, value in fields.items():
-      section, name = field.split('.')
-      cfg[section][name] = value
-    state, history = train(cfg, devices=jax.devices()[:math.prod(mesh.values())])
-    losses = np.array([row['loss'] for row in history])
-    assert (np.abs(losses - want_losses) <= 0.5 * noise + 5e-5).all(), (
-        recipe, mesh, fields, losses, want_losses, noise)
-    if recipe == 'current':
-      assert state.fp8 is None
-      continue
-    got = jax.device_get(state.fp8)
-    if 'pipeline.repeats' in fields:  # stored stage-major
-      got = from_stage_order(got, mesh['pipe'], fields['pipeline.repeats'])
-    for scales, want in paired_leaves(got.scales, want_state.fp8.scales):
-      # Amaxes of tensors four steps of FP8 noise apart; a sum over the 2 to 8 shards that
-      # split a tensor would be twice its maximum or more, one shard's seldom the whole's.
-      np.testing.assert_allclose(scales, want, rtol=0.3, err_msg=f'{mesh} {fields}')
-    for history in jax.tree.leaves(got.history):  # four steps seen, each amax positive
-      assert (history[..., :4] > 0).all() and (history[..., 4:] == 0).all()
+  too (amaxes over every shard, micro-batch and pipeline iteration)."""
+  recipe, mesh, fields = CASES[case]
+  runs, noise = one_device_fp8
+  want_losses, want_state = runs[recipe]
+  cfg = fp8_config(corpus, recipe, **mesh)
+  for field, value in fields.items():
+    section, name = field.split('.')
+    cfg[section][name] = value
+  state, history = train(cfg, devices=jax.devices()[:math.prod(mesh.values())])
+  losses = np.array([row['loss'] for row in history])
+  assert (np.abs(losses - want_losses) <= 0.5 * noise + 5e-5).all(), (losses, want_losses,
+                                                                      noise)
+  if recipe == 'current':
+    assert state.fp8 is None
+    return
+  got = jax.device_get(state.fp8)
+  if 'pipeline.repeats' in fields:  # stored stage-major
+    got = from_stage_order(got, mesh['pipe'], fields['pipeline.repeats'])
+  for scales, want in paired_leaves(got.scales, want_state.fp8.scales):
+    # Amaxes of tensors four steps of FP8 noise apart; a sum over the 2 to 8 shards that
+    # split a tensor would be twice its maximum or more, one shard's seldom the whole's.
+    np.testing.assert_allclose(scales, want, rtol=0.3)
+  for history in jax.tree.leaves(got.history):  # four steps seen, each amax positive
+    assert (history[..., :4] > 0).all() and (history[..., 4:] == 0).all()
 
 
 def test_fp8_off_keeps_no_scales_and_no_fp8_in_the_program(corpus):

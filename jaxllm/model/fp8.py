@@ -4,7 +4,7 @@ A layer matmul's input and weight are quantized to E4M3 and its output gradient 
 divided by a scale that maps the tensor's largest magnitude (its amax) onto the format's
 largest value; the products are rescaled by the scales' product. XLA's GPU compiler makes each
 of these matmuls a cuBLASLt FP8 call with the scales as its operands. On the CPU XLA emulates
-the FP8 types, with the same rounding.
+the FP8 types, with the same rounding (the scales applied in the compute dtype).
 
 Scaling recipes:
 - 'current': each scale comes from this step's amax of its tensor: over every shard the
@@ -95,7 +95,9 @@ def quantize(x, scale, dtype):
 
 
 def dequantize(q, scale, dtype):
-  return (q.astype(jnp.float32) * scale).astype(dtype)
+  """q·scale in `dtype`: the form XLA's GPU compiler folds into a cuBLASLt FP8 call (the scale
+  an fp32 operand of the call) where a matmul takes it."""
+  return q.astype(dtype) * scale.astype(dtype)
 
 
 def group_formats(size: int) -> jax.Array:
@@ -160,10 +162,9 @@ def _scales(scales, x, ws):
 
 def _matmul(spec, a, sa, b, sb, compute_dtype, out_dtype):
   """einsum of two FP8 operands with their scales in `out_dtype`: one cuBLASLt FP8 call on a
-  GPU, the scales its operands (on a CPU, XLA's emulation of it). Each operand is written as
-  its FP8 values times its scale in `compute_dtype`, the form XLA folds into the call."""
-  dequantized = lambda q, s: q.astype(compute_dtype) * s.astype(compute_dtype)
-  return jnp.einsum(spec, dequantized(a, sa), dequantized(b, sb),
+  GPU, the scales its operands (on a CPU, XLA's emulation of it, which multiplies in
+  `compute_dtype`)."""
+  return jnp.einsum(spec, dequantize(a, sa, compute_dtype), dequantize(b, sb, compute_dtype),
                     preferred_element_type=out_dtype)
 
 
