@@ -28,7 +28,9 @@ DATA_SOURCES = ('files', 'synthetic')
 DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord', 'chat')
 
 
-PIPELINE_SCHEDULES = ('gpipe', 'circular')
+# Schedules whose stages interleave forwards and backwards (`jaxllm.parallel.one_f_one_b`).
+ONE_F_ONE_B_SCHEDULES = ('1f1b', 'interleaved_1f1b')
+PIPELINE_SCHEDULES = ('gpipe', 'circular', *ONE_F_ONE_B_SCHEDULES)
 
 
 GATHER_MODES = ('step', 'iteration')

@@ -13,6 +13,7 @@ from ml_collections import ConfigDict
 
 from jaxllm.model import Transformer, fp8, sequence_positions
 from jaxllm.optim import lr_schedule
+from jaxllm.parallel.one_f_one_b import pipeline_loss
 from jaxllm.parallel.mesh import (check_divisible, logical_spec, sharding_context,
                                   split_micro_batches)
 from jaxllm.parallel.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
@@ -89,6 +90,11 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None,
   positions_BT = batch.get('positions', sequence_positions(tokens_BT))
   segment_ids_BT = batch.get('segment_ids')
   x_BTD = model.embed(tokens_BT)
+  if pipeline and pipeline.one_f_one_b:  # the head and loss run inside the schedule
+    objective, ce = pipeline_loss(model.blocks, model.final_norm, model.head(), x_BTD,
+                                  positions_BT, segment_ids_BT, batch['targets'],
+                                  batch['mask'], pipeline, model.cfg, z_loss)
+    return objective, (ce, jnp.sum(batch['mask'].astype(jnp.float32)))
   if pipeline:
     x_BTD = pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, pipeline,
                             model.cfg)

@@ -10,8 +10,8 @@ import math
 from ml_collections import ConfigDict
 
 from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DTYPES, FP8_RECIPES,
-                           GATHER_MODES, MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES, SCHEDULES,
-                           ZERO_STAGES, ConfigError, pipeline_shape)
+                           GATHER_MODES, MESH_AXES, ONE_F_ONE_B_SCHEDULES, PIPELINE_SCHEDULES,
+                           REMAT_POLICIES, SCHEDULES, ZERO_STAGES, ConfigError, pipeline_shape)
 from jaxllm.parallel.rules import batch_shards, mesh_axes
 
 def resolve_mesh(mesh_cfg: ConfigDict, num_devices: int) -> dict[str, int]:
@@ -269,19 +269,32 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(p.schedule, 'pipeline.schedule', PIPELINE_SCHEDULES)
   _choice(p.gather_weights, 'pipeline.gather_weights', GATHER_MODES)
   R, M = pipeline_shape(cfg, S)
-  if p.schedule == 'gpipe' and R != 1:
-    raise ConfigError(f"pipeline.repeats={R} needs pipeline.schedule='circular'; "
-                      'set repeats=1 for gpipe.')
-  if p.schedule == 'circular' and R < 2:
-    raise ConfigError(f"pipeline.repeats={R}: the circular schedule needs repeats ≥ 2 "
-                      "(or use pipeline.schedule='gpipe').")
+  single = {'gpipe': 'circular', '1f1b': 'interleaved_1f1b'}  # and their R ≥ 2 forms
+  if p.schedule in single and R != 1:
+    raise ConfigError(f'pipeline.repeats={R} needs pipeline.schedule='
+                      f"'{single[p.schedule]}'; set repeats=1 for {p.schedule}.")
+  if p.schedule not in single and R < 2:
+    plain = {v: k for k, v in single.items()}[p.schedule]
+    raise ConfigError(f"pipeline.repeats={R}: the {p.schedule} schedule needs repeats ≥ 2 "
+                      f"(or use pipeline.schedule='{plain}').")
   if cfg.model.num_layers % (S * R):
     raise ConfigError(f'model.num_layers={cfg.model.num_layers} is not divisible by '
                       f'pipe×repeats = {S}×{R}; change the layers, mesh.pipe or pipeline.repeats.')
-  if M < S or M % S:
+  if p.schedule in ('gpipe', 'circular') and (M < S or M % S):
     raise ConfigError(f'pipeline.microbatches={M} is not a multiple of mesh.pipe={S}: each stage '
                       f'runs the output head on M/S of them; use {S}, {2 * S} (a smaller bubble) '
-                      'or another multiple.')
+                      "or another multiple (pipeline.schedule='1f1b' takes any).")
+  if p.schedule == 'interleaved_1f1b' and M % S:
+    raise ConfigError(f'pipeline.microbatches={M} is not a multiple of mesh.pipe={S}: '
+                      'interleaved 1F1B sends micro-batches round the stages in groups of '
+                      f'{S}; use {S}, {2 * S} or another multiple.')
+  if p.schedule in ONE_F_ONE_B_SCHEDULES:
+    if p.gather_weights != 'step':
+      raise ConfigError(f"pipeline.gather_weights='{p.gather_weights}' is not built for "
+                        f"pipeline.schedule='{p.schedule}'; use gather_weights='step'.")
+    if cfg.model.fp8 != 'none':
+      raise ConfigError(f"model.fp8='{cfg.model.fp8}' is not built for pipeline.schedule="
+                        f"'{p.schedule}'; use model.fp8='none' or schedule 'gpipe'/'circular'.")
   slice_rows = cfg.train.global_batch // cfg.train.micro_batches
   shards = batch_shards(cfg.sharding.rules, mesh_shape)
   if slice_rows % (M * shards):

@@ -85,6 +85,16 @@ def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache):
   return x_BTD, cache.append(k_LBTKH, v_LBTKH)
 
 
+def head_loss_sum(cfg, final_norm: RMSNorm, w_DV, x_BTD, targets_BT, mask_BT,
+                  z_loss: float = 0.0):
+  """`Transformer.loss_sum` from the final norm and output head [D, V] themselves (a
+  pipeline runs them on its last stage)."""
+  T = x_BTD.shape[1]
+  chunks = T // cfg.loss_chunk if 0 < cfg.loss_chunk < T else 1
+  return chunked_loss_sum(chunks, jnp.dtype(cfg.grad_reduce_dtype), z_loss, final_norm(x_BTD),
+                          w_DV, targets_BT, mask_BT.astype(jnp.float32))
+
+
 class Transformer(nnx.Module):
   """Embedding, a scanned stack of `num_layers` blocks, final norm and output head."""
 
@@ -132,11 +142,8 @@ class Transformer(nnx.Module):
     """(objective, cross-entropy) summed over the tokens `mask_BT` keeps, from the final
     activations: next-token cross-entropy, plus `z_loss`·log²Z in the objective. The logits
     are made `loss_chunk` positions at a time (`chunked_loss_sum`)."""
-    T = x_BTD.shape[1]
-    chunks = T // self.cfg.loss_chunk if 0 < self.cfg.loss_chunk < T else 1
-    return chunked_loss_sum(chunks, jnp.dtype(self.cfg.grad_reduce_dtype), z_loss,
-                            self.final_norm(x_BTD), self.head(), targets_BT,
-                            mask_BT.astype(jnp.float32))
+    return head_loss_sum(self.cfg, self.final_norm, self.head(), x_BTD, targets_BT, mask_BT,
+                         z_loss)
 
   def head(self):
     """The output head [D, V]: the embedding table's transpose when they are tied."""

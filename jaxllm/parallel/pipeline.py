@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import pipeline_shape
+from jaxllm.config import ONE_F_ONE_B_SCHEDULES, pipeline_shape
 from jaxllm.model import fp8
 from jaxllm.model.remat import stack_policy
 from jaxllm.model.transformer import scan_blocks
@@ -39,7 +39,14 @@ class PipelineSpec:
   microbatches: int        # M
   gather_weights: str      # 'step': all-gather fsdp-split stage weights once per step;
                            # 'iteration': let each iteration gather what it uses
+  schedule: str = 'gpipe'  # pipeline.schedule
   bubble_fill: float = 0.0  # what bubble iterations' state starts as (tests poison it with NaN)
+
+  @property
+  def one_f_one_b(self) -> bool:
+    """Whether each stage interleaves forwards and backwards (`jaxllm.parallel.one_f_one_b`);
+    otherwise autodiff runs the backward after every forward."""
+    return self.schedule in ONE_F_ONE_B_SCHEDULES
 
   @property
   def iterations(self) -> int:
@@ -55,7 +62,8 @@ def pipeline_spec(cfg, stages: int) -> PipelineSpec | None:
   if stages == 1:
     return None
   repeats, microbatches = pipeline_shape(cfg, stages)
-  return PipelineSpec(stages, repeats, microbatches, cfg.pipeline.gather_weights)
+  return PipelineSpec(stages, repeats, microbatches, cfg.pipeline.gather_weights,
+                      cfg.pipeline.schedule)
 
 
 def _swap_layer_groups(tree, outer: int, inner: int):
@@ -96,14 +104,8 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
   # run, where they leave the shard_map. 'tensor' stays with the compiler.
   batch_axes = mesh_axes(logical_spec('batch')[0])
   manual = {'pipe', *batch_axes}
-  # Stored stage-major, so [L] -> [S, R, L/(S·R)] keeps each stage's layers where they are.
-  staged = jax.tree.map(lambda w: w.reshape(S, R, -1, *w.shape[1:]), stacked)
-  in_specs = jax.tree.map(lambda s: keep_axes(P(s[0], None, None, *s[1:]), manual),
-                          nnx.get_partition_spec(stacked))
-  # What fsdp split of each weight is gathered in the compute dtype, as (dimension, axis).
-  gather = lambda w, s: gather_for_compute(
-      w, tuple((dim, axis) for dim, entry in enumerate(s) for axis in reversed(mesh_axes(entry))
-               if axis in batch_axes), jnp.dtype(compute_dtype), jnp.dtype(grad_dtype))
+  staged, in_specs = stage_split(stacked, S, R)
+  gather = batch_split_gatherer(compute_dtype, grad_dtype)
 
   def run_stage(staged, scales, repeat, x_BTD, rows_info):
     if spec.gather_weights == 'iteration':
@@ -173,6 +175,30 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
   return jax.shard_map(stages_fn, in_specs=(in_specs, scale_specs, rows, rows),
                        out_specs=P(('pipe', *batch_axes)), axis_names=manual,
                        check_vma=False)(staged, scales, split_micro_batches(x_BTD, M), info_M)
+
+
+def stage_split(stacked, S: int, R: int):
+  """(staged, in_specs): the stacked block parameters as [S, R, L/(S·R), ...] (stored
+  stage-major, each stage's layers stay where they are) and their specs inside a shard_map
+  manual over pipe and the batch axes."""
+  manual = {'pipe', *mesh_axes(logical_spec('batch')[0])}
+  staged = jax.tree.map(lambda w: w.reshape(S, R, -1, *w.shape[1:]), stacked)
+  in_specs = jax.tree.map(lambda s: keep_axes(P(s[0], None, None, *s[1:]), manual),
+                          nnx.get_partition_spec(stacked))
+  return staged, in_specs
+
+
+def batch_split_gatherer(compute_dtype, grad_dtype):
+  """`gather(w, spec)`: inside a shard_map manual over the batch axes, `w` split over them
+  (fsdp) as its `spec` says, gathered whole in the compute dtype (`gather_for_compute`).
+  Made outside the shard_map, where the batch axes can be named."""
+  batch_axes = mesh_axes(logical_spec('batch')[0])
+
+  def gather(w, spec: P):
+    pieces = tuple((dim, axis) for dim, entry in enumerate(spec)
+                   for axis in reversed(mesh_axes(entry)) if axis in batch_axes)
+    return gather_for_compute(w, pieces, jnp.dtype(compute_dtype), jnp.dtype(grad_dtype))
+  return gather
 
 
 def stage_row_order(a, micro_batches: int):

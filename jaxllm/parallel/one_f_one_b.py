@@ -1,0 +1,269 @@
+"""The 1F1B and interleaved 1F1B pipeline schedules in SPMD: each stage's backwards start as
+soon as they reach it, so it holds a few micro-batches' residuals, not all of them.
+
+Inside `jax.shard_map` over pipe and the batch axes (as `pipeline_layers`), scans over the
+ticks of `ticks.one_f_one_b_ticks` run, in each tick on every stage, one item's forward (a
+`jax.vjp` of the stage's chunk of layers, whose residuals go to a buffer slot) and one item's
+backward (the pullback rebuilt from its slot), then `ppermute` activations one stage on and
+gradients one back. The head and loss run on the last stage straight after each micro-batch's
+last forward, and their gradient starts its backward in the same tick.
+
+Autodiff cannot interleave like this, so the pipeline is a `jax.custom_vjp` that computes the
+loss and all its gradients in its forward and scales them in its backward: the train step,
+gradient accumulation, ZeRO and the data/fsdp/tensor axes see an ordinary differentiable loss.
+Without differentiation (eval) only the forwards and head run.
+
+The stage weights are not kept per slot: a residual that *is* the chunk's weights (their
+forward is a scan over them) is left out of the buffer and the chunk's weights put back when
+the pullback is rebuilt.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.model.transformer import head_loss_sum, scan_blocks
+from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
+from jaxllm.parallel.pipeline import PipelineSpec, batch_split_gatherer, stage_split
+from jaxllm.parallel.rules import mesh_axes
+from jaxllm.parallel.ticks import one_f_one_b_ticks
+
+# Per tick and stage: the forward's item and slot, the backward's item and slot.
+_FIELDS = ('f_item', 'f_slot', 'b_item', 'b_slot')
+
+
+def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, positions_BT,
+                  segment_ids_BT, targets_BT, mask_BT, spec: PipelineSpec, model_cfg,
+                  z_loss: float = 0.0):
+  """(objective, cross-entropy) summed over the batch's unmasked targets, as
+  `Transformer.loss_sum` of the block stack's output, through the pipeline `spec` (1F1B or
+  interleaved 1F1B). Only the objective carries gradients; the cross-entropy is for the log."""
+  S, R, M = spec.stages, spec.repeats, spec.microbatches
+  graphdef, stacked = nnx.split(blocks, nnx.Param)
+  norm_graph, norm_state = nnx.split(final_norm)
+  batch_axes = mesh_axes(logical_spec('batch')[0])
+  manual = {'pipe', *batch_axes}
+  staged, staged_specs = stage_split(stacked, S, R)
+  head_specs = (jax.tree.map(lambda s: keep_axes(s, manual), nnx.get_partition_spec(norm_state)),
+                keep_axes(logical_spec('embed', 'vocab'), manual))
+  gather = batch_split_gatherer(model_cfg.dtype, model_cfg.grad_reduce_dtype)
+  stage = _Stage(graphdef, model_cfg.remat, jnp.dtype(model_cfg.dtype))
+  head = _Head(model_cfg, norm_graph, z_loss)
+  schedule = _schedule_loss(stage, head, one_f_one_b_ticks(S, R, M))
+
+  def local(staged, head_params, x_M, info_M, targets_M, mask_M):
+    staged = jax.tree.map(gather, staged, staged_specs)  # once per step (gather_weights)
+    head_params = jax.tree.map(gather, head_params, head_specs)
+    objective, ce = schedule(staged, head_params, x_M, info_M, targets_M, mask_M)
+    return objective[None], ce[None]
+
+  rows = P(None, batch_axes)
+  micro = lambda a: split_micro_batches(a, M)
+  objective, ce = jax.shard_map(
+      local, in_specs=(staged_specs, head_specs, rows, rows, rows, rows),
+      out_specs=P(('pipe', *batch_axes)), axis_names=manual, check_vma=False)(
+          staged, (norm_state, w_DV), micro(x_BTD),
+          jax.tree.map(micro, (positions_BT, segment_ids_BT)), micro(targets_BT), micro(mask_BT))
+  return jnp.sum(objective), jnp.sum(ce)
+
+
+class _Stage:
+  """A chunk of the layer stack, run forward, linearized and pulled back."""
+
+  def __init__(self, graphdef, remat: str, compute_dtype):
+    self.graphdef, self.remat, self.compute_dtype = graphdef, remat, compute_dtype
+
+  def __call__(self, w, x_BTD, info):
+    return scan_blocks(self.graphdef, w, x_BTD, *info, self.remat)
+
+  def linearize(self, w, x_BTD, info):
+    """(output, residuals to keep, (pullback structure, where w's leaves go in it))."""
+    y, pullback = jax.vjp(lambda w, x: self(w, x, info), w, x_BTD)
+    leaves, treedef = jax.tree.flatten(pullback)
+    weight_ids = {id(a): k for k, a in enumerate(jax.tree.leaves(w))}
+    weight_at = tuple(weight_ids.get(id(a)) for a in leaves)
+    kept = [a for a, k in zip(leaves, weight_at) if k is None]
+    return y, kept, (treedef, weight_at)
+
+  @staticmethod
+  def pullback(structure, kept, w):
+    treedef, weight_at = structure
+    weights, kept = jax.tree.leaves(w), iter(kept)
+    return jax.tree.unflatten(treedef, [next(kept) if k is None else weights[k]
+                                        for k in weight_at])
+
+
+class _Head:
+  """The final norm, output head and loss of one micro-batch, (objective, cross-entropy)."""
+
+  def __init__(self, model_cfg, norm_graph, z_loss: float):
+    self.cfg, self.norm_graph, self.z_loss = model_cfg, norm_graph, z_loss
+
+  def __call__(self, head_params, y_BTD, targets_BT, mask_BT):
+    norm_state, w_DV = head_params
+    return head_loss_sum(self.cfg, nnx.merge(self.norm_graph, norm_state), w_DV, y_BTD,
+                         targets_BT, mask_BT, self.z_loss)
+
+
+def _schedule_loss(stage: _Stage, head: _Head, ticks):
+  """The custom-VJP loss of one device's share: (objective, cross-entropy) of
+  (staged weights [1, R, L/(S·R), ...], head params, x_M, info_M, targets_M, mask_M)."""
+
+  @jax.custom_vjp
+  def loss(staged, head_params, x_M, info_M, targets_M, mask_M):
+    sums, _ = _run(stage, head, ticks, staged, head_params, x_M, info_M, targets_M, mask_M,
+                   backward=False)
+    return sums
+
+  def loss_fwd(*args):
+    return _run(stage, head, ticks, *args, backward=True)
+
+  def loss_bwd(grads, cotangents):
+    scale = cotangents[0]  # the objective's; the cross-entropy carries none
+    staged, head_params, x_M = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+    return staged, head_params, x_M, None, None, None
+
+  loss.defvjp(loss_fwd, loss_bwd)
+  return loss
+
+
+def _run(stage: _Stage, head: _Head, ticks, staged, head_params, x_M, info_M, targets_M,
+         mask_M, backward: bool):
+  """Runs the schedule: ((objective, cross-entropy), and with `backward` the gradients of
+  the objective for (staged, head_params, x_M))."""
+  S, R, M = ticks.stages, ticks.repeats, ticks.microbatches
+  here = jax.lax.axis_index('pipe')
+  first, last = here == 0, here == S - 1
+  f_slot, b_slot, slots = ticks.slots()
+  table = {k: jnp.asarray(v, jnp.int32) for k, v in zip(
+      _FIELDS, (ticks.forward, f_slot, ticks.backward, b_slot))}
+  microbatch, chunk = (jnp.asarray(a, jnp.int32) for a in (ticks.microbatch, ticks.chunk))
+  weights = jax.tree.map(lambda w: w[0].astype(stage.compute_dtype), staged)  # [R, L/(S·R), ...]
+  chunk_weights = lambda r: jax.tree.map(lambda w: w[0] if R == 1 else w[r], weights)
+  info_of = lambda m: jax.tree.map(lambda a: a[m], info_M)
+  forward_ring = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
+  backward_ring = [((i + 1) % S, i) for i in range(S if R > 1 else S - 1)]
+
+  # The residuals' shapes and the pullback's structure, from a trace of one forward.
+  found = []
+  def probe(w, x, info):
+    _, kept, structure = stage.linearize(w, x, info)
+    found.append(structure)
+    return kept
+  kept_shapes = jax.eval_shape(probe, chunk_weights(0), x_M[0], info_of(0))
+  structure = found[0]
+  zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+  carry = dict(
+      activation=jnp.zeros(x_M.shape[1:], x_M.dtype),
+      gradient=jnp.zeros(x_M.shape[1:], x_M.dtype),
+      sums=(jnp.float32(0), jnp.float32(0)))
+  if backward:
+    carry.update(
+        buffer=[jnp.zeros((slots + 1, *a.shape), a.dtype) for a in kept_shapes],
+        d_weights=zeros(weights), d_head=zeros(head_params), d_x=jnp.zeros_like(x_M))
+
+  def tick(has_f: bool, has_b: bool, with_head: bool):
+    """One tick's body: a forward, a backward or both on every stage (each masked where the
+    stage's slot is idle); the head with the last stage's forward where it finishes a
+    micro-batch."""
+    def body(c, row):
+      c = dict(c)
+      mine = {k: v[here] for k, v in row.items()}
+      if has_f:
+        f_valid = mine['f_item'] >= 0
+        item = jnp.maximum(mine['f_item'], 0)
+        m, r = microbatch[item], chunk[item]
+        x = jnp.where(first & (r == 0), x_M[m], c['activation'])
+        x = jnp.where(f_valid, x, 0)  # idle slots run on zeros: what they hold can't leak
+        if backward:
+          y, kept, found_structure = stage.linearize(chunk_weights(r), x, info_of(m))
+          assert found_structure[1] == structure[1], 'the stage traced differently'
+          c['buffer'] = [b.at[mine['f_slot']].set(k) for b, k in zip(c['buffer'], kept)]
+        else:
+          y = stage(chunk_weights(r), x, info_of(m))
+        if with_head:
+          ends = last & f_valid
+          head_fn = lambda p, y: head(p, y, targets_M[m], mask_M[m])
+          if backward:
+            sums, head_pullback = jax.vjp(head_fn, head_params, y)
+            d_head, d_y = head_pullback((jnp.ones_like(sums[0]), jnp.zeros_like(sums[1])))
+            c['d_head'] = jax.tree.map(lambda a, g: a + jnp.where(ends, g, 0), c['d_head'],
+                                       d_head)
+          else:
+            sums = head_fn(head_params, y)
+          c['sums'] = tuple(a + jnp.where(ends, s, 0) for a, s in zip(c['sums'], sums))
+        c['activation'] = jax.lax.ppermute(y, 'pipe', forward_ring)
+      if has_b and backward:
+        b_valid = mine['b_item'] >= 0
+        item = jnp.maximum(mine['b_item'], 0)
+        m, r = microbatch[item], chunk[item]
+        g = c['gradient']
+        if with_head:  # the last chunk's backward on the last stage starts from the loss
+          g = jnp.where(last & (r == R - 1), d_y.astype(g.dtype), g)
+        kept = [b[mine['b_slot']] for b in c['buffer']]
+        d_w, d_x = stage.pullback(structure, kept, chunk_weights(r))(g)
+        add = lambda a, d: a + jnp.where(b_valid, d, 0)
+        if R == 1:
+          c['d_weights'] = jax.tree.map(add, c['d_weights'], d_w)
+        else:
+          c['d_weights'] = jax.tree.map(lambda a, d: a.at[r].set(add(a[r], d)),
+                                        c['d_weights'], d_w)
+        into_input = first & (r == 0) & b_valid
+        c['d_x'] = c['d_x'].at[m].set(jnp.where(into_input, d_x, c['d_x'][m]))
+        c['gradient'] = jax.lax.ppermute(d_x, 'pipe', backward_ring)
+      return c, None
+    return body
+
+  def run(c, start: int, length: int, *flags):
+    if length == 0:
+      return c
+    rows = {k: v[start:start + length] for k, v in table.items()}
+    return jax.lax.scan(tick(*flags), c, rows)[0]
+
+  # The ticks fall into phases (checked against the table): forwards only, until the first
+  # backward; both, the head on the ticks where the last stage ends a micro-batch; backwards
+  # only. Under interleaving the steady phase repeats S ticks with the head, (R−1)·S without.
+  warmup = R * S - 1 if R > 1 else S - 1
+  steady = R * M + S - 1 - warmup
+  _check_phases(ticks, warmup, steady)
+  carry = run(carry, 0, warmup, True, False, False)
+  if R == 1:
+    carry = run(carry, warmup, steady, True, True, True)
+  else:
+    periods = M // S - 1
+    def period(c, start):
+      c = jax.lax.scan(tick(True, True, True), c,
+                       {k: jax.lax.dynamic_slice_in_dim(v, start, S) for k, v in table.items()})[0]
+      rest = {k: jax.lax.dynamic_slice_in_dim(v, start + S, (R - 1) * S)
+              for k, v in table.items()}
+      return jax.lax.scan(tick(True, True, False), c, rest)[0], None
+    carry = jax.lax.scan(period, carry, warmup + R * S * jnp.arange(periods))[0]
+    carry = run(carry, warmup + periods * R * S, S, True, True, True)
+  if backward:
+    carry = run(carry, warmup + steady, ticks.forward.shape[0] - warmup - steady,
+                False, True, False)
+    grads = (jax.tree.map(lambda g, w: g[None].astype(w.dtype), carry['d_weights'], staged),
+             jax.tree.map(lambda g, p: g.astype(p.dtype), carry['d_head'], head_params),
+             carry['d_x'])
+    return carry['sums'], grads
+  return carry['sums'], None
+
+
+def _check_phases(ticks, warmup: int, steady: int) -> None:
+  """That the table's ticks are: `warmup` forwards only; `steady` with both, the head (the
+  last stage running a micro-batch's last chunk) in the first S of every R·S; backwards
+  only."""
+  has_f, has_b = ticks.busy.any(1).T
+  S, R = ticks.stages, ticks.repeats
+  last = ticks.forward[:, -1]
+  heads = (last >= 0) & (ticks.chunk[np.maximum(last, 0)] == R - 1)
+  steps = np.arange(len(has_f))
+  phase = np.where(steps < warmup, 0, np.where(steps < warmup + steady, 1, 2))
+  want_heads = (phase == 1) & ((steps - warmup) % (R * S) < S)
+  if not (np.array_equal(has_f, phase < 2) and np.array_equal(has_b, phase > 0)
+          and np.array_equal(heads, want_heads)):
+    raise AssertionError('the 1F1B tick table does not fall into the phases its executor runs')
