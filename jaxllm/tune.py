@@ -1,10 +1,10 @@
 """`python -m jaxllm.tune --config configs/X.py --devices N [--hardware h100-nvlink] [--measure K]`
 
 Tries every mesh data·fsdp·pipe·tensor = N that the model allows, with each remat policy,
-micro-batch count, ZeRO stage, sequence or context split and loss chunk asked for: compiles
-each from shapes for the profile's GPU (as `jaxllm.analyze` does, with its --compiler and
---devices), drops those that do not fit what a process may use of the device's memory, and
-ranks the rest by predicted step time.
+micro-batch count, ZeRO stage, sequence or context split, loss chunk and (on meshes with
+pipe > 1) pipeline schedule asked for: compiles each from shapes for the profile's GPU (as
+`jaxllm.analyze` does, with its --compiler and --devices), drops those that do not fit what a
+process may use of the device's memory, and ranks the rest by predicted step time.
 `--measure K` then runs the best K for a few real steps on the devices present, beside the
 prediction.
 """
@@ -16,7 +16,7 @@ from absl import flags
 
 from jaxllm import analyze
 from jaxllm.cli import main_guard
-from jaxllm.config import REMAT_POLICIES, ConfigError
+from jaxllm.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ConfigError
 from jaxllm.cost.report import seconds_text
 from jaxllm.cost.tune import SPLITS, Space, format_table, measure, rank
 
@@ -29,6 +29,9 @@ _SPLITS = flags.DEFINE_list('splits', ['none'], f'Sequence and context splits to
                             f'{", ".join(SPLITS)}.')
 _LOSS_CHUNK = flags.DEFINE_list('loss-chunk', [],
                                 'model.loss_chunk values to try (default: the config\'s).')
+_SCHEDULES = flags.DEFINE_list('schedules', ['gpipe', '1f1b', 'circular', 'interleaved_1f1b'],
+                               'pipeline.schedule values to try on meshes with pipe > 1 '
+                               '(circular and interleaved_1f1b with repeats=2).')
 
 
 def _integers(flag, at_least: int, example: str) -> tuple[int, ...]:
@@ -59,12 +62,16 @@ def check_flags() -> Space:
   for split in _SPLITS.value or ['']:  # an empty list names the unknown split ''
     if split not in SPLITS:
       raise ConfigError(f'--splits={split!r} is unknown; use {", ".join(SPLITS)}.')
+  for schedule in _SCHEDULES.value or ['']:
+    if schedule not in PIPELINE_SCHEDULES:
+      raise ConfigError(f'--schedules={schedule!r} is unknown; pipeline.schedule takes '
+                        f'{", ".join(PIPELINE_SCHEDULES)}.')
   zero = _integers(_ZERO, 0, '0,1,2') if _ZERO.value else ()
   if zero and max(zero) > 2:
     raise ConfigError(f'--zero={",".join(_ZERO.value)}: ZeRO stages are 0, 1 and 2.')
   chunks = _integers(_LOSS_CHUNK, 0, '0,1024') if _LOSS_CHUNK.value else ()
   return Space(tuple(remats), _integers(_MICRO_BATCHES, 1, '1,2,4'), zero, tuple(_SPLITS.value),
-               chunks)
+               chunks, tuple(_SCHEDULES.value))
 
 
 def main(argv: list[str]) -> None:
@@ -90,7 +97,7 @@ def main(argv: list[str]) -> None:
       seconds = measure(r['config'], _MEASURE_STEPS.value)
       print(f'{i:>3}  {" ".join(f"{a}={n}" for a, n in r["mesh"].items())}  remat '
             f'{r["remat"]}  micro {r["micro_batches"]}  zero {r["zero"]}  split {r["split"]}  '
-            f'chunk {r["loss_chunk"]}: measured {seconds_text(seconds)}'
+            f'chunk {r["loss_chunk"]}  pipeline {r["pipeline"]}: measured {seconds_text(seconds)}'
             f' per step, predicted {seconds_text(r["step_s"])} on {hardware.name}')
 
 

@@ -18,7 +18,8 @@ from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES, axes_across_nodes
 from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
-from jaxllm.cost.tune import Space, candidates, factorisations, measure, rank
+from jaxllm.cost.tune import (REPEATS, Space, candidates, factorisations, format_table, measure,
+                               pipeline_text, rank)
 
 H100 = PROFILES['h100-nvlink']
 
@@ -63,6 +64,24 @@ def test_compiled_collective_bytes_match_the_formulas(mesh, bounds, compiler):
     assert not any(c['rewritten'] for c in report['collectives'])
     assert report['attention'] == {'implementation': 'xla', 'kernels': [],
                                    'flops_per_device': 0.0}
+
+
+@pytest.mark.parametrize('mesh,pipeline', [
+    (dict(pipe=4, fsdp=2), dict(schedule='1f1b', microbatches=2)),
+    (dict(pipe=2, fsdp=4), dict(schedule='interleaved_1f1b', repeats=2)),
+], ids=['1f1b', 'interleaved_1f1b'])
+def test_1f1b_collective_bytes_match_the_formulas(mesh, pipeline):
+  """1F1B shifts activations in every tick with a forward and gradients in every tick with a
+  backward, hands no outputs out (the last stage runs the head) and gathers the head over fsdp
+  once: the GPU program's bytes meet the formulas as GPipe's do."""
+  if not backends.cuda_plugin_installed():
+    pytest.skip('needs JAX\'s CUDA plugin: pip install -e ".[dev]"')
+  cfg = comm_config(**mesh)
+  cfg.pipeline.update(pipeline)
+  report = analyze(cfg, H100, backends.gpu_devices(H100, 8))
+  for axis, (low, high) in dict(pipe=(0.999, 1.001), fsdp=FSDP_BOUNDS).items():
+    row = next(r for r in report['per_axis'] if r['axes'] == [axis])
+    assert low <= row['ratio'] <= high, row
 
 
 def test_data_parallel_traffic_is_the_gradient_all_reduce():
@@ -250,6 +269,8 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
   assert {r['micro_batches'] for r in rows} == {1} and skipped['invalid'] == 10
   # tensor=4 is among them: tiny's 2 kv heads are replicated over the pairs that share them
   assert {r['mesh']['tensor'] for r in rows} == {1, 2, 4}
+  # no schedules asked for: the config's, gpipe, where there is a pipeline
+  assert {(r['mesh']['pipe'] > 1, r['pipeline']) for r in rows} == {(False, '-'), (True, 'gpipe')}
   for row in rows[:2]:
     assert measure(row['config'], steps=1, devices=devices) > 0
 
@@ -276,6 +297,32 @@ def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
   assert not sp.model.collective_matmul and not tiny_config.model.collective_matmul
   rings = next(c for c, split, reason in found if split == 'sp_cm' and reason is None)
   assert rings.model.collective_matmul and rings.sharding.rules.act_seq == ('tensor',)
+
+
+def test_tune_tries_each_pipeline_schedule_on_meshes_with_stages(tiny_config):
+  """A candidate per schedule on each mesh with pipe > 1 (one on pipe=1, which runs none),
+  circular and interleaved 1F1B at repeats=2, refused by the config's checks where tiny's 4
+  layers do not split into pipe×2; the table names each row's schedule (rows made up here
+  rather than compiled: test_tune_ranks_the_tiny_config_and_measures_the_best_two compiles)."""
+  found = list(candidates(tiny_config, 4, Space(('none',), schedules=tuple(REPEATS))))
+  meshes = factorisations(4, 4)
+  assert len(found) == len(meshes) + 3 * len([m for m in meshes if m[2] > 1])
+  mesh = lambda c: tuple(c.mesh[a] for a in ('data', 'fsdp', 'pipe', 'tensor'))
+  valid = {(mesh(c), pipeline_text(c)) for c, _, reason in found if reason is None}
+  assert {p for m, p in valid if m == (1, 2, 2, 1)} == {
+      'gpipe', '1f1b', 'circular×2', 'interleaved_1f1b×2'}
+  assert {p for m, p in valid if m == (1, 1, 4, 1)} == {'gpipe', '1f1b'}
+  assert {p for m, p in valid if m[2] == 1} == {'-'}
+  assert {reason for c, _, reason in found if reason} == {
+      'model.num_layers=4 is not divisible by pipe×repeats = 4×2; change the layers, mesh.pipe '
+      'or pipeline.repeats.'}
+  times = dict.fromkeys(('step_s', 'gemm_s', 'attention_s', 'memory_s', 'launch_s',
+                         'exposed_comm_s', 'tokens_per_s', 'mfu'), 1.0)
+  rows = [{'mesh': dict(c.mesh), 'remat': 'none', 'micro_batches': 1, 'zero': 0, 'split': split,
+           'loss_chunk': 0, 'pipeline': pipeline_text(c), 'memory': 2**20, **times}
+          for c, split, reason in found if reason is None]
+  table = format_table(rows, {}, H100, jax.devices()[:4]).splitlines()[2:-1]
+  assert {(tuple(map(int, line.split()[1:5])), line.split()[10]) for line in table} == valid
 
 
 def test_analyze_says_a_step_does_not_fit_a_small_device():
@@ -335,6 +382,8 @@ def test_analyze_hlo_bad_input_is_a_config_error(tmp_path, args, message):
     (tune, ['--zero=1,3'], '--zero=1,3: ZeRO stages are 0, 1 and 2'),
     (tune, ['--splits=none,tp'], "--splits='tp' is unknown"),
     (tune, ['--loss-chunk=-1'], '--loss-chunk=-1 must be integers of at least 0'),
+    (tune, ['--schedules=1f1b,zb'], "--schedules='zb' is unknown; pipeline.schedule takes gpipe, "
+     'circular, 1f1b, interleaved_1f1b.'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_flags_are_config_errors(module, args, message):
   """The flags each command checks once they are parsed (the CLI case above: one line)."""

@@ -19,6 +19,7 @@ from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES, usable_memory
 from jaxllm.cost.report import attention, format_report, memory, program_report, report
 from jaxllm.model import with_available_attention
+from jaxllm.parallel.ticks import schedule_ticks
 
 pytestmark = pytest.mark.skipif(not backends.cuda_plugin_installed(),
                                 reason='needs JAX\'s CUDA plugin: pip install -e ".[dev]"')
@@ -90,7 +91,8 @@ def tiny_pipelines(h100s):
     if (remat, schedule) not in programs:
       cfg = tiny(remat=remat)
       cfg.mesh.update(data=2, fsdp=1, pipe=2, tensor=2)
-      cfg.pipeline.update(schedule=schedule, repeats=2 if schedule == 'circular' else 1)
+      cfg.pipeline.update(schedule=schedule,
+                          repeats=2 if schedule in ('circular', 'interleaved_1f1b') else 1)
       programs[remat, schedule] = compile_step(cfg, h100s)
     return programs[remat, schedule]
   return program
@@ -198,14 +200,16 @@ def test_recomputed_flops_are_the_forward_work_remat_reruns(one_b_programs):
 
 
 @pytest.mark.parametrize('remat,schedule,forwards_per_backward', [
-    ('none', 'gpipe', 1), ('full', 'gpipe', 2), ('none', 'circular', 1), ('full', 'circular', 2)])
+    ('none', 'gpipe', 1), ('full', 'gpipe', 2), ('none', 'circular', 1), ('full', 'circular', 2),
+    ('none', '1f1b', 1), ('full', '1f1b', 2), ('full', 'interleaved_1f1b', 2)])
 def test_the_pipeline_recomputes_what_model_remat_says(remat, schedule, forwards_per_backward,
                                                        tiny_pipelines):
   """Inside the pipeline the layers keep what model.remat says, as outside it: under 'none'
   the attention forward runs once per backward and nothing is recomputed; under 'full' it runs
-  twice, not three times. No iteration keeps a copy of the stage's weights (circular slices
-  them per iteration; the checkpoint that recomputes them keeps what the layers keep:
-  `model.stack_policy`)."""
+  twice, not three times. No iteration (no 1F1B residual slot) keeps a copy of the stage's
+  weights (circular slices them per iteration; the checkpoint that recomputes them keeps what
+  the layers keep: `model.stack_policy`; 1F1B puts the chunk's weights back in its pullbacks).
+  1F1B has as many ticks with forwards, and with backwards, as GPipe has iterations."""
   c = tiny_pipelines(remat, schedule)
   kernels = hlo.fused_attention(c.text)
   iterations = c.pipeline.iterations
@@ -215,9 +219,21 @@ def test_the_pipeline_recomputes_what_model_remat_says(remat, schedule, forwards
       forwards_per_backward * layers * iterations)
   recomputed = report(c, H100)['flops']['recomputed_per_step']
   assert (recomputed == 0) == (remat == 'none')
-  # An MLP weight is [128, 192] on each device (tensor=2); kept per iteration it would be
-  # [iterations, layers, 128, 192] (its activations have a row dimension too).
-  assert not re.search(rf'\[{iterations},({layers},)?128,192\]', c.text)
+  # An MLP weight is [128, 192] on each device (tensor=2); kept per iteration (or slot) it
+  # would be [iterations, layers, 128, 192] (its activations have a row dimension too).
+  slots = schedule_ticks(schedule, 2, c.pipeline.repeats, 4).slots()[2]
+  for kept in (iterations, slots):
+    assert not re.search(rf'\[{kept},({layers},)?128,192\]', c.text)
+
+
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_1f1b_keeps_a_few_micro_batches_residuals(remat, tiny_pipelines):
+  """GPipe keeps every iteration's residuals for the backward: its stacks of the layers'
+  per-row values are [M+S−1 = 5, layers, rows, T, ...]. 1F1B keeps its slots', min(M+1, 2S−1)
+  = 3 (`Ticks.slots`): the same stacks lead with 3, and nothing with 5."""
+  leading = lambda c: set(re.findall(r'(?:bf16|f32)\[(\d+),2,2,128,\d+\]', c.text)) - {'1'}
+  assert leading(tiny_pipelines(remat, 'gpipe')) == {'5'}
+  assert leading(tiny_pipelines(remat, '1f1b')) == {'3'}
 
 
 def test_cudnn_falls_back_to_xla_attention_off_a_gpu():
@@ -405,8 +421,9 @@ def test_tune_ranks_gpu_programs():
   head, _, row, legend = result.stdout.strip().splitlines()
   assert head == ('1 candidates fit h100-nvlink (none left out); GPU: XLA\'s program for 1 × '
                   'NVIDIA H100 80GB HBM3, compiled without a GPU; predicted, best first:')
-  # mesh, remat, micro-batches, ZeRO stage, split and loss chunk: the config's where not asked
-  assert row.split()[:10] == ['1', '1', '1', '1', '1', 'none', '1', '0', 'none', '1024']
+  # mesh, remat, micro-batches, ZeRO stage, split, loss chunk and pipeline (none on 1 device):
+  # the config's where not asked
+  assert row.split()[:11] == ['1', '1', '1', '1', '1', 'none', '1', '0', 'none', '1024', '-']
   assert legend.startswith('matmul: GEMMs and attention;')
 
 

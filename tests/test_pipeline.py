@@ -92,26 +92,32 @@ def test_stage_order_round_trips_and_interleaves():
   np.testing.assert_array_equal(from_stage_order(staged, 2, 2)['blocks']['w'], np.arange(8))
 
 
-PIPE_MESHES = {  # mesh, pipeline settings, train.micro_batches
-    'pipe2_data2_tensor2': (dict(pipe=2, data=2, tensor=2), {}, 1),
-    'pipe4_fsdp2': (dict(pipe=4, fsdp=2), {}, 1),
-    'pipe2_fsdp2_tensor2': (dict(pipe=2, fsdp=2, tensor=2), {}, 1),
+PIPE_MESHES = {  # mesh, pipeline settings, train.micro_batches, sharding.zero
+    'pipe2_data2_tensor2': (dict(pipe=2, data=2, tensor=2), {}, 1, 0),
+    'pipe4_fsdp2': (dict(pipe=4, fsdp=2), {}, 1, 0),
+    'pipe2_fsdp2_tensor2': (dict(pipe=2, fsdp=2, tensor=2), {}, 1, 0),
     'pipe2_data2_tensor2_circular': (dict(pipe=2, data=2, tensor=2),
-                                     dict(schedule='circular', repeats=2), 1),
-    'pipe2_fsdp4_per_iteration': (dict(pipe=2, fsdp=4), dict(gather_weights='iteration'), 1),
-    'pipe2_data2_tensor2_micro2': (dict(pipe=2, data=2, tensor=2), {}, 2),
+                                     dict(schedule='circular', repeats=2), 1, 0),
+    'pipe2_fsdp4_per_iteration': (dict(pipe=2, fsdp=4), dict(gather_weights='iteration'), 1, 0),
+    'pipe2_data2_tensor2_micro2': (dict(pipe=2, data=2, tensor=2), {}, 2, 0),
+    'pipe2_data2_tensor2_1f1b_micro2_zero1': (dict(pipe=2, data=2, tensor=2),
+                                              dict(schedule='1f1b'), 2, 1),
+    'pipe2_fsdp2_tensor2_interleaved_1f1b': (dict(pipe=2, fsdp=2, tensor=2),
+                                             dict(schedule='interleaved_1f1b', repeats=2), 1, 0),
 }
 
 
-@pytest.mark.parametrize('mesh,pipeline,micro_batches', PIPE_MESHES.values(),
+@pytest.mark.parametrize('mesh,pipeline,micro_batches,zero', PIPE_MESHES.values(),
                          ids=PIPE_MESHES.keys())
-def test_pipelined_training_matches_one_device(mesh, pipeline, micro_batches, corpus,
+def test_pipelined_training_matches_one_device(mesh, pipeline, micro_batches, zero, corpus,
                                                one_device_run):
+  """Losses, gradient norms and trained params of 3 steps match one device's at 1e-5."""
   from jaxllm.parallel.pipeline import from_stage_order
   ref_params, ref_losses, ref_norms = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.pipeline.update(microbatches=mesh['pipe'], **pipeline)
   cfg.train.micro_batches = micro_batches
+  cfg.sharding.zero = zero
   state, history = train(cfg)
   np.testing.assert_allclose([r['loss'] for r in history], ref_losses, rtol=1e-5)
   np.testing.assert_allclose([r['grad_norm'] for r in history], ref_norms, rtol=1e-5)

@@ -215,7 +215,8 @@ TABLE = {
     'python -m jaxllm.train --config configs/tiny.py --config.mesh.pipe=2 --config.mesh.fsdp=1':
         run_by(TRAIN_ALONE),
     'python -m jaxllm.train --config configs/tiny.py --config.mesh.pipe=2 --config.mesh.fsdp=1 '
-    '--config.pipeline.schedule=circular --config.pipeline.repeats=2': run_by(TRAIN_ALONE),
+    '--config.pipeline.schedule=interleaved_1f1b --config.pipeline.repeats=2':
+        run_by(TRAIN_ALONE),
     'python -m jaxllm.train --config configs/tiny.py --config.sharding.zero=1':
         run_by(TRAIN_ALONE),
     'python -m jaxllm.train --config configs/tiny.py '
@@ -237,9 +238,9 @@ TABLE = {
         run_by(ANALYZE, note='a syntax summary: FILE a program compiled for 8 H100s here'),
     'python -m jaxllm.tune --config configs/tiny.py [--devices N] [--remat none,full] '
     '[--micro-batches 1,2] [--zero 0,1,2] [--splits none,sp,sp_cm,cp,cp_sp] [--loss-chunk 0,1024] '
-    '[--measure 2]':
+    '[--schedules gpipe,1f1b,circular,interleaved_1f1b] [--measure 2]':
         run_by(ANALYZE, note='a syntax summary: with --devices 1 --remat none --micro-batches 1 '
-               '(bracket-free it is 80 compiles, 9 CPU-minutes)'),
+               '(bracket-free it is 128 compiles, about 15 CPU-minutes)'),
     # Notebooks
     'pip install -e ".[dev]" jupyterlab && jupyter lab notebooks/':
         not_run('starts a server; tests/test_notebooks.py executes every notebook'),
@@ -584,7 +585,8 @@ def test_the_error_examples_are_what_their_configs_print(start, tmp_path):
 
 
 # tune's syntax summary with none of its options tries every mesh of 8 devices with both
-# remat policies and both micro-batch counts: 80 compiles, about 9 minutes of CPU. Its options,
+# remat policies, both micro-batch counts and every schedule on the meshes with pipe > 1: 128
+# compiles, about 15 minutes of CPU. Its options,
 # as the summary shows them, cut it to one compile: 1 device, one policy, one count.
 TUNE_OPTIONS = ['--devices', '1', '--remat', 'none', '--micro-batches', '1']
 

@@ -157,7 +157,8 @@ def report(c: Compiled, hardware: Hardware) -> dict:
                 'recomputed_by_xla_per_step': recomputed['xla'] * devices_n},
       'attention': attn,
       'pipeline': (None if not c.pipeline else {
-          'stages': c.pipeline.stages, 'repeats': c.pipeline.repeats,
+          'schedule': c.pipeline.schedule, 'stages': c.pipeline.stages,
+          'repeats': c.pipeline.repeats,
           'microbatches': c.pipeline.microbatches, 'bubble': c.pipeline.bubble_fraction}),
       'collectives': rows, 'per_axis': totals,
       'largest_arrays': [{'bytes': b, 'shape': shape, 'op': op}
@@ -217,8 +218,8 @@ def format_report(r: dict) -> str:
   lines += attention_lines(r['attention'])
   if r['pipeline']:
     p = r['pipeline']
-    lines.append(f'pipeline S={p["stages"]} R={p["repeats"]} M={p["microbatches"]}: bubble '
-                 f'{p["bubble"]:.1%}')
+    lines.append(f'pipeline {p["schedule"]} S={p["stages"]} R={p["repeats"]} '
+                 f'M={p["microbatches"]}: bubble {p["bubble"]:.1%}')
   lines.append('collectives per step, bytes sent by one device:')
   lines.append(f'  {"axes":16} {"kind":19} {"dtype":5} {"count":>7} {"bytes":>12} {"time":>10}'
                '  link')

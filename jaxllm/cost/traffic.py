@@ -47,12 +47,14 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     micro-batch each device's keys and values all-gathered from the whole sequence S and their
     gradients reduce-scattered back, 4(N−1)/N·b·S·k (k: the K/V width on one device).
   pipe: per micro-batch, b·s·h/M forward and backward in each of the R·M+S−1 iterations of
-    the scanned schedule (bubble iterations shift too); the last stage's outputs handed out,
-    M/S micro-batches to each stage (a reduce-scatter, an all-gather backward),
+    the scanned schedule (bubble iterations shift too; 1F1B's ticks with forwards and those
+    with backwards are as many); under GPipe and circular the last stage's outputs handed
+    out, M/S micro-batches to each stage (a reduce-scatter, an all-gather backward),
     2(S−1)/S·b·s·h; the first stage's input gradient, all-reduced for the embedding every
     stage holds, 2(S−1)/S·b·s·h; and once per step (XLA sums the micro-batches' first), the
-    output head's gradient, which each stage makes from its rows, all-reduced, 2(S−1)/S·g·H
-    (H the head's bytes on one device).
+    output head's gradient, which each stage makes from its rows (under 1F1B the last stage
+    from all), all-reduced, 2(S−1)/S·g·H (H the head's bytes on one device). Under 1F1B
+    fsdp gathers the head once for the last stage's loss, (N−1)/N·(a + g)·P.
   P is the parameter bytes on one device before the axis' own split; b the rows on one device,
   s its part of the sequence (all of it unless rules.seq splits it).
   """
@@ -80,8 +82,10 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
     # With gather_weights='step' the stage weights are gathered once for all iterations.
     loss_bsh = bsh / shape['pipe']  # after a pipeline, the loss takes rows split over pipe
     tokens = loss_bsh / m.embed_dim / act_bytes
-    if splits_vocabulary(n, parts(rules['vocab'], shape), tokens, m.vocab_size, act_bytes,
-                         jnp.dtype(m.grad_reduce_dtype).itemsize):
+    if c.pipeline and c.pipeline.one_f_one_b:  # the last stage's head, gathered once
+      loss = (a + g) * head
+    elif splits_vocabulary(n, parts(rules['vocab'], shape), tokens, m.vocab_size, act_bytes,
+                           jnp.dtype(m.grad_reduce_dtype).itemsize):
       loss = (a + g) * head / n + n * ((1 + g / a) * loss_bsh + 8 * tokens) + n * n * 4 * tokens
     else:
       loss = (a + g) * head
@@ -110,7 +114,8 @@ def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
   if c.pipeline:
     p = c.pipeline
     shifts = 2 * p.iterations * bsh / p.microbatches
-    ends = 2 * (p.stages - 1) / p.stages * 2 * bsh
+    # The input gradient; GPipe's also the outputs handed out (1F1B's head is on the last stage).
+    ends = (1 if p.one_f_one_b else 2) * 2 * (p.stages - 1) / p.stages * bsh
     head = 2 * (p.stages - 1) / p.stages * g * c.head_bytes
     expected[('pipe',)] = t.micro_batches * (shifts + ends) + head
   return expected

@@ -1,6 +1,6 @@
 """Every mesh data·fsdp·pipe·tensor of N devices the model allows, with each micro-batch
-count and remat policy: compiled from shapes, those that do not fit left out, the rest ranked
-by predicted step time; and the best timed for a few real steps."""
+count, remat policy and (pipe > 1) pipeline schedule: compiled from shapes, those that do not
+fit left out, the rest ranked by predicted step time; and the best timed for a few real steps."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ SPLITS = {  # name: (what a row says, the config fields it sets)
     'cp_sp': ('context (fsdp) + sequence (tensor) parallel',
               {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
 }
+# pipeline.repeats for each schedule: the interleaved ones at their fewest trips, R = 2.
+REPEATS = {'gpipe': 1, '1f1b': 1, 'circular': 2, 'interleaved_1f1b': 2}
 
 
 def with_fields(cfg: ConfigDict, fields: dict) -> ConfigDict:
@@ -61,19 +63,24 @@ def with_fields(cfg: ConfigDict, fields: dict) -> ConfigDict:
 
 @dataclasses.dataclass(frozen=True)
 class Space:
-  """What tune tries beside the mesh: each field's values (zero and loss_chunk empty: the
-  config's)."""
+  """What tune tries beside the mesh: each field's values (zero, loss_chunk and schedules
+  empty: the config's). The schedules apply to meshes with pipe > 1 only."""
   remat: tuple[str, ...]
   micro_batches: tuple[int, ...] = (1,)
   zero: tuple[int, ...] = ()
   splits: tuple[str, ...] = ('none',)
   loss_chunk: tuple[int, ...] = ()
+  schedules: tuple[str, ...] = ()
 
 
 def candidates(cfg: ConfigDict, devices: int, space: Space):
-  """(config, reason) for every combination: reason is None when the config is valid."""
-  for sizes, remat, micro, zero, split, chunk in itertools.product(
-      factorisations(devices, len(MESH_AXES)), space.remat, space.micro_batches,
+  """(config, split, reason) for every combination: reason is None when the config is valid."""
+  pipe = MESH_AXES.index('pipe')
+  # A mesh with pipe=1 runs no schedule: one candidate each, the config's (None).
+  meshes = [(sizes, schedule) for sizes in factorisations(devices, len(MESH_AXES))
+            for schedule in (space.schedules if sizes[pipe] > 1 else ()) or (None,)]
+  for (sizes, schedule), remat, micro, zero, split, chunk in itertools.product(
+      meshes, space.remat, space.micro_batches,
       space.zero or (cfg.sharding.zero,), space.splits,
       space.loss_chunk or (cfg.model.loss_chunk,)):
     c = with_fields(cfg, {**SPLITS[split][1], 'model.remat': remat,
@@ -82,6 +89,8 @@ def candidates(cfg: ConfigDict, devices: int, space: Space):
     c.mesh.update(dict(zip(MESH_AXES, sizes)))
     if c.mesh.pipe > 1:
       c.pipeline.microbatches = 0  # the default, 2 × stages
+    if schedule:  # validate says when the layers do not split into pipe × repeats
+      c.pipeline.update(schedule=schedule, repeats=REPEATS[schedule])
     # The axes a split puts the sequence over: one of size 1 makes a program another split
     # (or none) already makes.
     seq_axes = {a for path, rule in SPLITS[split][1].items() if path.endswith('seq') for a in rule}
@@ -97,6 +106,14 @@ def candidates(cfg: ConfigDict, devices: int, space: Space):
       yield c, split, str(e)
       continue
     yield c, split, None
+
+
+def pipeline_text(c: ConfigDict) -> str:
+  """A row's schedule: '-' without a pipeline, else e.g. '1f1b' or 'circular×2'."""
+  p = c.pipeline
+  if c.mesh.pipe == 1:
+    return '-'
+  return p.schedule + (f'×{p.repeats}' if p.repeats > 1 else '')
 
 
 def state_fits(c: ConfigDict, hardware: Hardware, devices) -> bool:
@@ -132,7 +149,7 @@ def rank(cfg: ConfigDict, hardware: Hardware, space: Space, devices):
       continue
     rows.append({'config': c, 'mesh': report['mesh'], 'remat': c.model.remat,
                  'micro_batches': c.train.micro_batches, 'zero': c.sharding.zero,
-                 'split': split, 'loss_chunk': c.model.loss_chunk,
+                 'split': split, 'loss_chunk': c.model.loss_chunk, 'pipeline': pipeline_text(c),
                  'memory': report['memory']['peak'], **report['prediction']})
   rows.sort(key=lambda r: r['step_s'])
   return rows, skipped
@@ -163,16 +180,16 @@ def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -
            f'({", ".join(f"{v} {k}" for k, v in skipped.items() if v) or "none left out"}); '
            f'{program}; predicted, best first:',
            f'{"#":>3}  {"data":>4} {"fsdp":>4} {"pipe":>4} {"tensor":>6}  {"remat":15} '
-           f'{"micro":>5} {"zero":>4} {"split":5} {"chunk":>5}  {"memory/device":>13}  '
-           f'{"step":>10}  {"tokens/s":>12}  {"MFU":>6}  {"matmul":>6} {"memory":>6} '
-           f'{"comm":>6}']
+           f'{"micro":>5} {"zero":>4} {"split":5} {"chunk":>5} {"pipeline":18}  '
+           f'{"memory/device":>13}  {"step":>10}  {"tokens/s":>12}  {"MFU":>6}  {"matmul":>6} '
+           f'{"memory":>6} {"comm":>6}']
   for i, r in enumerate(rows, 1):
     m, step = r['mesh'], r['step_s']
     lines.append(
         f'{i:>3}  {m["data"]:>4} {m["fsdp"]:>4} {m["pipe"]:>4} {m["tensor"]:>6}  '
         f'{r["remat"]:15} {r["micro_batches"]:>5} {r["zero"]:>4} {r["split"]:5} '
-        f'{r["loss_chunk"]:>5}  {size_text(r["memory"]):>13}  {seconds_text(step):>10}  '
-        f'{r["tokens_per_s"]:>12,.0f}  {r["mfu"]:>6.1%}  '
+        f'{r["loss_chunk"]:>5} {r["pipeline"]:18}  {size_text(r["memory"]):>13}  '
+        f'{seconds_text(step):>10}  {r["tokens_per_s"]:>12,.0f}  {r["mfu"]:>6.1%}  '
         f'{(r["gemm_s"] + r["attention_s"]) / step:>6.0%} '
         f'{(r["memory_s"] + r["launch_s"]) / step:>6.0%} {r["exposed_comm_s"] / step:>6.0%}')
   lines.append('matmul: GEMMs and attention; memory: memory-bound kernels and launches; comm: '

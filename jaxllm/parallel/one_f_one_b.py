@@ -53,7 +53,7 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
   gather = batch_split_gatherer(model_cfg.dtype, model_cfg.grad_reduce_dtype)
   stage = _Stage(graphdef, model_cfg.remat, jnp.dtype(model_cfg.dtype))
   head = _Head(model_cfg, norm_graph, z_loss)
-  schedule = _schedule_loss(stage, head, one_f_one_b_ticks(S, R, M))
+  schedule = _schedule_loss(stage, head, one_f_one_b_ticks(S, R, M), spec.bubble_fill)
 
   def local(staged, head_params, x_M, info_M, targets_M, mask_M):
     staged = jax.tree.map(gather, staged, staged_specs)  # once per step (gather_weights)
@@ -109,18 +109,18 @@ class _Head:
                          targets_BT, mask_BT, self.z_loss)
 
 
-def _schedule_loss(stage: _Stage, head: _Head, ticks):
+def _schedule_loss(stage: _Stage, head: _Head, ticks, fill: float):
   """The custom-VJP loss of one device's share: (objective, cross-entropy) of
   (staged weights [1, R, L/(S·R), ...], head params, x_M, info_M, targets_M, mask_M)."""
 
   @jax.custom_vjp
   def loss(staged, head_params, x_M, info_M, targets_M, mask_M):
-    sums, _ = _run(stage, head, ticks, staged, head_params, x_M, info_M, targets_M, mask_M,
-                   backward=False)
+    sums, _ = _run(stage, head, ticks, fill, staged, head_params, x_M, info_M, targets_M,
+                   mask_M, backward=False)
     return sums
 
   def loss_fwd(*args):
-    return _run(stage, head, ticks, *args, backward=True)
+    return _run(stage, head, ticks, fill, *args, backward=True)
 
   def loss_bwd(grads, cotangents):
     scale = cotangents[0]  # the objective's; the cross-entropy carries none
@@ -131,10 +131,11 @@ def _schedule_loss(stage: _Stage, head: _Head, ticks):
   return loss
 
 
-def _run(stage: _Stage, head: _Head, ticks, staged, head_params, x_M, info_M, targets_M,
-         mask_M, backward: bool):
+def _run(stage: _Stage, head: _Head, ticks, fill: float, staged, head_params, x_M, info_M,
+         targets_M, mask_M, backward: bool):
   """Runs the schedule: ((objective, cross-entropy), and with `backward` the gradients of
-  the objective for (staged, head_params, x_M))."""
+  the objective for (staged, head_params, x_M)). What arrives in idle slots starts as `fill`
+  (tests poison it with NaN)."""
   S, R, M = ticks.stages, ticks.repeats, ticks.microbatches
   here = jax.lax.axis_index('pipe')
   first, last = here == 0, here == S - 1
@@ -158,12 +159,12 @@ def _run(stage: _Stage, head: _Head, ticks, staged, head_params, x_M, info_M, ta
   structure = found[0]
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
   carry = dict(
-      activation=jnp.zeros(x_M.shape[1:], x_M.dtype),
-      gradient=jnp.zeros(x_M.shape[1:], x_M.dtype),
+      activation=jnp.full(x_M.shape[1:], fill, x_M.dtype),
+      gradient=jnp.full(x_M.shape[1:], fill, x_M.dtype),
       sums=(jnp.float32(0), jnp.float32(0)))
   if backward:
     carry.update(
-        buffer=[jnp.zeros((slots + 1, *a.shape), a.dtype) for a in kept_shapes],
+        buffer=[jnp.zeros((slots, *a.shape), a.dtype) for a in kept_shapes],
         d_weights=zeros(weights), d_head=zeros(head_params), d_x=jnp.zeros_like(x_M))
 
   def tick(has_f: bool, has_b: bool, with_head: bool):
@@ -182,7 +183,8 @@ def _run(stage: _Stage, head: _Head, ticks, staged, head_params, x_M, info_M, ta
         if backward:
           y, kept, found_structure = stage.linearize(chunk_weights(r), x, info_of(m))
           assert found_structure[1] == structure[1], 'the stage traced differently'
-          c['buffer'] = [b.at[mine['f_slot']].set(k) for b, k in zip(c['buffer'], kept)]
+          c['buffer'] = [jax.lax.dynamic_update_index_in_dim(b, k, mine['f_slot'], 0)
+                         for b, k in zip(c['buffer'], kept)]
         else:
           y = stage(chunk_weights(r), x, info_of(m))
         if with_head:
@@ -210,10 +212,12 @@ def _run(stage: _Stage, head: _Head, ticks, staged, head_params, x_M, info_M, ta
         if R == 1:
           c['d_weights'] = jax.tree.map(add, c['d_weights'], d_w)
         else:
-          c['d_weights'] = jax.tree.map(lambda a, d: a.at[r].set(add(a[r], d)),
-                                        c['d_weights'], d_w)
+          c['d_weights'] = jax.tree.map(
+              lambda a, d: jax.lax.dynamic_update_index_in_dim(a, add(a[r], d), r, 0),
+              c['d_weights'], d_w)
         into_input = first & (r == 0) & b_valid
-        c['d_x'] = c['d_x'].at[m].set(jnp.where(into_input, d_x, c['d_x'][m]))
+        c['d_x'] = jax.lax.dynamic_update_index_in_dim(
+            c['d_x'], jnp.where(into_input, d_x, c['d_x'][m]), m, 0)
         c['gradient'] = jax.lax.ppermute(d_x, 'pipe', backward_ring)
       return c, None
     return body

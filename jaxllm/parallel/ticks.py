@@ -52,24 +52,23 @@ class Ticks:
 
   def slots(self) -> tuple[np.ndarray, np.ndarray, int]:
     """(forward slot [ticks, S], backward slot [ticks, S], K): where each stage keeps each
-    item's residuals from its forward to its backward, K slots in all; a slot without an item
-    is K (scratch). Slots are reused as soon as a backward frees them; the forward is written
-    before the same tick's backward reads."""
+    item's residuals from its forward to its backward, K slots in all. Slots are reused as
+    soon as a backward frees them; the forward is written before the same tick's backward
+    reads. An idle forward slot writes (what it computed on nothing) to a free slot, an idle
+    backward reads slot 0: neither touches a held item."""
     T, S = self.forward.shape
-    write, read = np.full((T, S), -1), np.full((T, S), -1)
+    write, read = np.zeros((T, S), int), np.zeros((T, S), int)
+    count = 0
     for s in range(S):
-      free, held, used = [], {}, 0
+      held = {}
       for t in range(T):
+        free = min(set(range(count + 1)) - set(held.values()))
+        count = max(count, free + 1)
+        write[t, s] = free
         if (i := self.forward[t, s]) >= 0:
-          if not free:
-            free.append(used)
-            used += 1
-          held[i] = write[t, s] = free.pop(free.index(min(free)))
+          held[i] = free
         if (i := self.backward[t, s]) >= 0:
           read[t, s] = held.pop(i)
-          free.append(read[t, s])
-    count = int(max(write.max(), 0)) + 1
-    write[write < 0], read[read < 0] = count, count
     return write, read, count
 
 

@@ -1,0 +1,209 @@
+"""1F1B and interleaved 1F1B: the tick tables against the rules of pipelining, and the
+schedules' loss and gradients against the plain layer stack, head and loss on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import paired_leaves, small_config
+from jaxllm.config import ConfigError
+from jaxllm.model import Transformer
+from jaxllm.parallel.mesh import make_mesh, sharding_context
+from jaxllm.parallel.one_f_one_b import pipeline_loss
+from jaxllm.parallel.pipeline import PipelineSpec, to_stage_order
+from jaxllm.parallel.ticks import gpipe_ticks, one_f_one_b_ticks
+from jaxllm.validate import resolve_mesh, validate
+
+SHAPES = [(2, 1, 2), (2, 1, 3), (4, 1, 1), (4, 1, 6), (4, 1, 16), (2, 2, 4), (4, 2, 8),
+          (4, 2, 16), (4, 3, 8)]
+
+
+def check_dependencies(ticks, loop_buffer: bool):
+  """Every item's forward and backward run once on every stage, each after what it needs:
+  a forward after the previous stage's (or, for a later chunk, the last stage's previous
+  chunk), a tick before; a backward after its own forward and after the next stage's backward
+  (or the next chunk's on stage 0) a tick before; the last chunk's backward on the last stage
+  in its forward's tick (the loss runs between). Between chunks an item waits in a
+  `loop_buffer` (circular) or goes straight on, in the next tick (interleaved 1F1B). Returns
+  {(item, stage): tick} for forwards and backwards."""
+  S, R, M = ticks.stages, ticks.repeats, ticks.microbatches
+  forward, backward = {}, {}
+  for table, found in ((ticks.forward, forward), (ticks.backward, backward)):
+    for t, s in zip(*np.nonzero(table >= 0)):
+      assert (table[t, s], s) not in found, 'an item ran twice on one stage'
+      found[(table[t, s], s)] = t
+  assert len(forward) == len(backward) == R * M * S
+  item = {(ticks.microbatch[i], ticks.chunk[i]): i for i in range(R * M)}
+  assert len(item) == R * M
+  for (i, s), t in forward.items():
+    m, r = ticks.microbatch[i], ticks.chunk[i]
+    if s > 0:
+      assert forward[(i, s - 1)] == t - 1
+    elif r > 0:
+      arrived = forward[(item[(m, r - 1)], S - 1)] + 1
+      assert arrived <= t if loop_buffer else arrived == t
+  for (i, s), t in backward.items():
+    m, r = ticks.microbatch[i], ticks.chunk[i]
+    assert forward[(i, s)] <= t
+    if s < S - 1:
+      assert backward[(i, s + 1)] == t - 1
+    elif r < R - 1:
+      arrived = backward[(item[(m, r + 1)], 0)] + 1
+      assert arrived <= t if loop_buffer else arrived == t
+  return forward, backward
+
+
+@pytest.mark.parametrize('stages,repeats,microbatches', SHAPES)
+def test_ticks_keep_dependencies_and_the_bubble(stages, repeats, microbatches):
+  S, R, M = stages, repeats, microbatches
+  ours, gpipe = one_f_one_b_ticks(S, R, M), gpipe_ticks(S, R, M)
+  forward, backward = check_dependencies(ours, loop_buffer=False)
+  check_dependencies(gpipe, loop_buffer=True)
+  for (i, s), t in backward.items():  # the last chunk's backward right after the loss
+    if s == S - 1 and ours.chunk[i] == R - 1:
+      assert forward[(i, s)] == t
+  # Both waves move a stage a tick: the bubble is GPipe's, (S−1)/(R·M+S−1) of the work.
+  for table in (ours, gpipe):
+    assert table.bubble_fraction() == pytest.approx((S - 1) / (R * M + S - 1))
+  # Residuals held: GPipe all R·M items'; 1F1B at most 2(S−1)+1 (with few micro-batches,
+  # one more than M: an idle forward slot writes to a free one). Each slot's item is kept
+  # from its forward to its backward, never written over, idle slots' writes included.
+  write, read, slots = ours.slots()
+  assert slots == min(M + 1, 2 * S - 1) if R == 1 else slots <= 2 * R * S - 1 < R * M
+  for s in range(S):
+    held = {}
+    for t in range(len(write)):
+      assert write[t, s] not in held.values()
+      if ours.forward[t, s] >= 0:
+        held[ours.forward[t, s]] = write[t, s]
+      if ours.backward[t, s] >= 0:
+        assert read[t, s] == held.pop(ours.backward[t, s])
+
+
+def test_interleaving_holds_fewer_residuals_than_circular():
+  """Interleaved 1F1B's slots (chunk-sized) against the circular schedule's R·M."""
+  assert one_f_one_b_ticks(4, 2, 16).slots()[2] == 11  # against 32
+  assert one_f_one_b_ticks(4, 1, 16).slots()[2] == 7   # 1F1B against GPipe's 16
+
+
+LAYERS, Z_LOSS = 8, 1e-3
+
+
+def loss_and_grads(cfg, mesh, loss_fn):
+  """Objective, cross-entropy and the objective's gradients (params, input) for a fixed model,
+  input and packed rows (row b holds a document of b % 7 + 1 tokens, then another), with
+  masked targets; also the objective computed without differentiation."""
+  with sharding_context(mesh, cfg.sharding.rules):
+    graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    keys = jax.random.split(jax.random.key(1), 3)
+    x_BTD = jax.random.normal(keys[0], (24, 8, cfg.model.embed_dim))
+    targets_BT = jax.random.randint(keys[1], (24, 8), 0, cfg.model.vocab_size)
+    mask_BT = jax.random.bernoulli(keys[2], 0.8, (24, 8))
+    t, cut = np.arange(8), np.arange(24)[:, None] % 7 + 1
+    segment_ids_BT = jnp.asarray(np.where(t < cut, 1, 2))
+    positions_BT = jnp.asarray(np.where(t < cut, t, t - cut))
+
+    def loss(params, x_BTD):
+      return loss_fn(graphdef, params, x_BTD, positions_BT, segment_ids_BT, targets_BT, mask_BT)
+
+    (objective, ce), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, x_BTD)
+    return objective, ce, grads, jax.jit(loss)(params, x_BTD)[0]
+
+
+def stack_config():
+  cfg = small_config()
+  cfg.model.num_layers = LAYERS
+  return cfg
+
+
+def plain(graphdef, params, x_BTD, positions_BT, segment_ids_BT, targets_BT, mask_BT):
+  model = nnx.merge(graphdef, params)
+  return model.loss_sum(model.layers(x_BTD, positions_BT, segment_ids_BT), targets_BT, mask_BT,
+                        Z_LOSS)
+
+
+@pytest.fixture(scope='module')
+def plain_stack():
+  """The reference: layer stack, head and loss on one device."""
+  mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), jax.devices()[:1])
+  return loss_and_grads(stack_config(), mesh, plain)
+
+
+CASES = {  # schedule, stages, repeats, micro-batches, remat, the other axes
+    '1f1b_S2_M3_data_tensor': ('1f1b', 2, 1, 3, 'none', dict(data=2, tensor=2)),
+    '1f1b_S4_M6_fsdp_full': ('1f1b', 4, 1, 6, 'full', dict(fsdp=2)),
+    '1f1b_S4_M2_tensor': ('1f1b', 4, 1, 2, 'none', dict(tensor=2)),
+    'interleaved_S2_R2_M4_data_tensor_full': ('interleaved_1f1b', 2, 2, 4, 'full',
+                                              dict(data=2, tensor=2)),
+    'interleaved_S4_R2_M4_fsdp': ('interleaved_1f1b', 4, 2, 4, 'none', dict(fsdp=2)),
+    'interleaved_S2_R4_M2_fsdp_tensor_dots': ('interleaved_1f1b', 2, 4, 2, 'dots',
+                                              dict(fsdp=2, tensor=2)),
+}
+
+
+@pytest.mark.parametrize('schedule,stages,repeats,microbatches,remat,axes', CASES.values(),
+                         ids=CASES.keys())
+def test_schedule_equals_plain_stack(schedule, stages, repeats, microbatches, remat, axes,
+                                     plain_stack):
+  """Objective, cross-entropy and every gradient (blocks, final norm, head, input) match the
+  plain stack in fp32, differentiated and not; what idle slots receive is NaN and must not
+  leak."""
+  cfg = stack_config()
+  cfg.model.remat = remat
+  cfg.mesh.update(pipe=stages, **axes)
+  mesh = make_mesh(resolve_mesh(cfg.mesh, jax.device_count()))
+  spec = PipelineSpec(stages, repeats, microbatches, 'step', schedule, bubble_fill=float('nan'))
+
+  def pipelined(graphdef, params, x_BTD, positions_BT, segment_ids_BT, targets_BT, mask_BT):
+    # Stored stage-major under interleaving; converted inside, the gradients come in layer order.
+    model = nnx.merge(graphdef, to_stage_order(params, stages, repeats))
+    return pipeline_loss(model.blocks, model.final_norm, model.head(), x_BTD, positions_BT,
+                         segment_ids_BT, targets_BT, mask_BT, spec, model.cfg, Z_LOSS)
+
+  objective, ce, grads, undifferentiated = loss_and_grads(cfg, mesh, pipelined)
+  ref_objective, ref_ce, ref_grads, _ = plain_stack
+  assert ref_objective != ref_ce  # the z-loss is in the objective only
+  np.testing.assert_allclose([objective, ce, undifferentiated],
+                             [ref_objective, ref_ce, ref_objective], rtol=1e-5)
+  for got, want in paired_leaves(grads, ref_grads):
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def pipe_config(**fields):
+  cfg = small_config(pipe=2, data=2, fsdp=2)
+  cfg.model.num_layers = 8
+  cfg.train.global_batch = 48
+  for path, value in fields.items():
+    section, name = path.split('.')
+    cfg[section][name] = value
+  return cfg
+
+
+@pytest.mark.parametrize('fields,message', [
+    ({'pipeline.schedule': 'interleaved_1f1b', 'pipeline.repeats': 2,
+      'pipeline.microbatches': 3}, 'pipeline.microbatches=3 is not a multiple of mesh.pipe=2'),
+    ({'pipeline.schedule': 'interleaved_1f1b'}, 'needs repeats ≥ 2'),
+    ({'pipeline.schedule': '1f1b', 'pipeline.repeats': 2}, "needs pipeline.schedule="
+                                                           "'interleaved_1f1b'"),
+    ({'pipeline.schedule': '1f1b', 'pipeline.gather_weights': 'iteration'},
+     "use gather_weights='step'"),
+    ({'pipeline.schedule': '1f1b', 'model.fp8': 'delayed', 'model.dtype': 'bfloat16'},
+     "use model.fp8='none'"),
+])
+def test_what_a_schedule_cannot_run_is_one_line(fields, message):
+  with pytest.raises(ConfigError) as error:
+    validate(pipe_config(**fields), dict(data=2, fsdp=2, pipe=2, tensor=1))
+  assert message in str(error.value) and '\n' not in str(error.value)
+
+
+def test_1f1b_takes_micro_batches_gpipe_refuses():
+  """M = 3 on 2 stages: GPipe hands M/S outputs to each stage and refuses; 1F1B runs the head
+  on the last stage and takes it."""
+  mesh = dict(data=2, fsdp=2, pipe=2, tensor=1)
+  with pytest.raises(ConfigError, match='pipeline.microbatches=3 is not a multiple'):
+    validate(pipe_config(**{'pipeline.microbatches': 3}), mesh)
+  validate(pipe_config(**{'pipeline.microbatches': 3, 'pipeline.schedule': '1f1b'}), mesh)
