@@ -1,4 +1,4 @@
-"""Pipeline benchmark: step time of pipe=2/4 (GPipe, circular) relative to pipe=1, measured
+"""Pipeline benchmark: step time of pipe=2/4 (each schedule) relative to pipe=1, measured
 in one process, and the bytes each device sends over the pipe axis per step, compiled
 (`jaxllm.cost.hlo`) against the analytic figure (`jaxllm.cost.traffic.expected_bytes`).
 
@@ -33,12 +33,12 @@ def main():
   parser.add_argument('--batch', type=int, default=8)
   args = parser.parse_args()
 
-  cases = [('pipe=1', 1, 'gpipe', 1), ('pipe=2 gpipe', 2, 'gpipe', 1),
-           ('pipe=2 circular R=2', 2, 'circular', 2), ('pipe=4 gpipe', 4, 'gpipe', 1),
-           ('pipe=4 circular R=2', 4, 'circular', 2)]
+  cases = [('pipe=1', 1, 'gpipe', 1)] + [
+      (f'pipe={S} {schedule}' + (f' R={R}' if R > 1 else ''), S, schedule, R) for S in (2, 4)
+      for schedule, R in (('gpipe', 1), ('circular', 2), ('1f1b', 1), ('interleaved_1f1b', 2))]
   print(f'comparison model, {args.layers} layers, global batch {args.batch}, 8 simulated CPU '
         f'devices (jax {jax.__version__})')
-  print(f'{"case":22} {"mesh":15} {"M":>3} {"step s":>7} {"vs pipe=1":>9} {"bubble":>7} '
+  print(f'{"case":28} {"mesh":15} {"M":>3} {"step s":>7} {"vs pipe=1":>9} {"bubble":>7} '
         f'{"pipe MB":>9} {"analytic":>9} {"ratio":>6} {"pipe+ MB":>9}')
   baseline = None
   for name, stages, schedule, repeats in cases:
@@ -57,7 +57,7 @@ def main():
                             cpu=run.mesh.devices.flat[0].platform == 'cpu')
     pipe_bytes = sum(c.bytes for c in found if c.axes == ('pipe',))
     other_bytes = sum(c.bytes for c in found if 'pipe' in c.axes and c.axes != ('pipe',))
-    line = f'{name:22} {"pipe=%d fsdp=%d" % (stages, fsdp):15} '
+    line = f'{name:28} {"pipe=%d fsdp=%d" % (stages, fsdp):15} '
     if run.pipeline:
       analytic = expected_bytes(compile_step(cfg))[('pipe',)]
       line += (f'{run.pipeline.microbatches:>3} {step_time:7.3f} {step_time / baseline:9.2f} '

@@ -4,8 +4,9 @@
         --mesh pipe=4,tensor=8 [--schedules gpipe,1f1b,circular,interleaved_1f1b] \
         [--repeats 2] [--hardware h100-nvlink] [--config.pipeline.microbatches=16 ...]
 
-For each schedule (circular and interleaved with --repeats): the residual slots a stage keeps
-and the bubble (from the tick tables, `jaxllm.parallel.ticks`); from the compiled step the
+For each schedule (circular and interleaved with --repeats): how many stage visits a stage
+keeps residuals for at once (`pipeline.residual_items`) and the bubble (from the tick tables,
+`jaxllm.parallel.ticks`); from the compiled step the
 temporaries and peak memory per device (a device is a stage), the largest array (under the
 pipelines, the residuals kept for the backward), the bytes sent over pipe beside the analytic
 figure (`jaxllm.cost.traffic.expected_bytes`), and the predicted step time and MFU, all as
@@ -23,6 +24,7 @@ from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import PIPELINE_SCHEDULES, ConfigError
 from jaxllm.cost import report
 from jaxllm.cost.hardware import hardware_profile
+from jaxllm.parallel.pipeline import pipeline_spec, residual_items
 from jaxllm.parallel.ticks import schedule_ticks
 
 sys.path.insert(0, __file__.rsplit('/', 1)[0])
@@ -56,21 +58,21 @@ def main(argv: list[str]) -> None:
         f'{m.dtype} compute, remat {m.remat}; global batch {cfg.train.global_batch} × '
         f'{cfg.data.seq_len} tokens in M={M} pipeline micro-batches; mesh '
         f'{_MESH.value[0]} of {len(devices)} × {hardware.name}, jax {jax.__version__}')
-  print('| schedule | residual slots (of a stage\'s chunk) | bubble | temporaries | peak | fits '
-        '| largest array | pipe bytes (analytic) | predicted step | MFU |')
+  print('| schedule | stage visits kept × their share of the stage | bubble | temporaries | '
+        'peak | fits | largest array | pipe bytes (analytic) | predicted step | MFU |')
   print('|---|---:|---:|---:|---:|---|---|---:|---:|---:|')
   for schedule in _SCHEDULES.value:
     c = cfg.copy_and_resolve_references()
     R = _REPEATS.value if schedule in REPEATED else 1
     c.pipeline.update(schedule=schedule, repeats=R)
     ticks = schedule_ticks(schedule, S, R, M)
-    slots = ticks.slots()[2] if schedule not in ('gpipe', 'circular') else R * M
+    kept = residual_items(pipeline_spec(c, S))
     r = report.analyze(c, hardware, devices)
     mem, pr = r['memory'], r['prediction']
     pipe = next(a for a in r['per_axis'] if a['axes'] == ['pipe'])
     largest = r['largest_arrays'][0]
     name = schedule + (f' ×{R}' if R > 1 else '')
-    print(f'| {name} | {slots} (×1/{R}) | {ticks.bubble_fraction():.1%} | '
+    print(f'| {name} | {kept} × 1/{R} | {ticks.bubble_fraction():.1%} | '
           f'{report.size_text(mem["temporaries"])} | {report.size_text(mem["peak"])} | '
           f'{"yes" if r["fits"] else "no"} | {report.size_text(largest["bytes"])} '
           f'{largest["shape"]} | {report.size_text(pipe["bytes"])} '

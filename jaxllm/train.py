@@ -31,7 +31,8 @@ from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.model import fp8, with_available_attention
 from jaxllm.optim import make_optimizer
 from jaxllm.parallel.mesh import host_split, hosts, make_mesh, sharding_context
-from jaxllm.parallel.pipeline import PipelineSpec, from_stage_order, pipeline_spec, to_stage_order
+from jaxllm.parallel.pipeline import (PipelineSpec, from_stage_order, pipeline_spec, residual_items,
+                                     to_stage_order)
 from jaxllm.parallel.rules import Layout, derive, mesh_axes
 from jaxllm.step import TrainState, init_state, loss_terms, state_shapes, train_step_for
 from jaxllm.validate import resolve_mesh, validate
@@ -181,7 +182,8 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, layout: Layout,
         f'repeats, M={pipeline.microbatches} micro-batches of {micro // pipeline.microbatches}, '
         f'{m.num_layers // (pipeline.stages * pipeline.repeats)} layers per stage visit, '
         f'bubble (S-1)/(R·M+S-1) = {pipeline.bubble_fraction:.1%}, stage weights gathered '
-        f'once per {cfg.pipeline.gather_weights}')
+        f'once per {cfg.pipeline.gather_weights}, residuals kept for '
+        f'{residual_items(pipeline)} stage visits at once')
   return '\n'.join(lines)
 
 

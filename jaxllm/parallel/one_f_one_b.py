@@ -20,6 +20,8 @@ the pullback is rebuilt.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,15 +100,22 @@ class _Stage:
 
 
 class _Head:
-  """The final norm, output head and loss of one micro-batch, (objective, cross-entropy)."""
+  """The final norm, output head and loss of one micro-batch: (objective, cross-entropy)."""
 
   def __init__(self, model_cfg, norm_graph, z_loss: float):
     self.cfg, self.norm_graph, self.z_loss = model_cfg, norm_graph, z_loss
 
-  def __call__(self, head_params, y_BTD, targets_BT, mask_BT):
+  def sums(self, head_params, y_BTD, targets_BT, mask_BT):
+    """((objective, cross-entropy),)."""
     norm_state, w_DV = head_params
-    return head_loss_sum(self.cfg, nnx.merge(self.norm_graph, norm_state), w_DV, y_BTD,
-                         targets_BT, mask_BT, self.z_loss)
+    return (head_loss_sum(self.cfg, nnx.merge(self.norm_graph, norm_state), w_DV, y_BTD,
+                          targets_BT, mask_BT, self.z_loss),)
+
+  def grads(self, head_params, y_BTD, targets_BT, mask_BT):
+    """((objective, cross-entropy), the objective's gradients for head_params and y)."""
+    (sums,), pullback = jax.vjp(
+        lambda p, y: self.sums(p, y, targets_BT, mask_BT), head_params, y_BTD)
+    return sums, *pullback(((jnp.ones_like(sums[0]), jnp.zeros_like(sums[1])),))
 
 
 def _schedule_loss(stage: _Stage, head: _Head, ticks, fill: float):
@@ -187,17 +196,16 @@ def _run(stage: _Stage, head: _Head, ticks, fill: float, staged, head_params, x_
                          for b, k in zip(c['buffer'], kept)]
         else:
           y = stage(chunk_weights(r), x, info_of(m))
-        if with_head:
-          ends = last & f_valid
-          head_fn = lambda p, y: head(p, y, targets_M[m], mask_M[m])
+        if with_head:  # on the last stage, where it ends a micro-batch; zeros elsewhere
+          run = functools.partial(head.grads if backward else head.sums, head_params,
+                                  targets_BT=targets_M[m], mask_BT=mask_M[m])
+          nothing = lambda y: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                           jax.eval_shape(run, y))
+          sums, *grads = jax.lax.cond(last & f_valid, run, nothing, y)
+          c['sums'] = tuple(a + s for a, s in zip(c['sums'], sums))
           if backward:
-            sums, head_pullback = jax.vjp(head_fn, head_params, y)
-            d_head, d_y = head_pullback((jnp.ones_like(sums[0]), jnp.zeros_like(sums[1])))
-            c['d_head'] = jax.tree.map(lambda a, g: a + jnp.where(ends, g, 0), c['d_head'],
-                                       d_head)
-          else:
-            sums = head_fn(head_params, y)
-          c['sums'] = tuple(a + jnp.where(ends, s, 0) for a, s in zip(c['sums'], sums))
+            d_head, d_y = grads
+            c['d_head'] = jax.tree.map(jnp.add, c['d_head'], d_head)
         c['activation'] = jax.lax.ppermute(y, 'pipe', forward_ring)
       if has_b and backward:
         b_valid = mine['b_item'] >= 0

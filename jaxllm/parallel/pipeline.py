@@ -30,6 +30,7 @@ from jaxllm.model.remat import stack_policy
 from jaxllm.model.transformer import scan_blocks
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
 from jaxllm.parallel.rules import mesh_axes
+from jaxllm.parallel.ticks import one_f_one_b_ticks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,15 @@ class PipelineSpec:
   @property
   def bubble_fraction(self) -> float:
     return (self.stages - 1) / self.iterations
+
+
+def residual_items(spec: PipelineSpec) -> int:
+  """How many stage visits (a micro-batch through one of a stage's R chunks) a stage keeps
+  residuals for at once: under GPipe and circular every iteration's, R·M+S−1 (the scan keeps
+  the bubble iterations' too); under 1F1B its tick table's slots."""
+  if spec.one_f_one_b:
+    return one_f_one_b_ticks(spec.stages, spec.repeats, spec.microbatches).slots()[2]
+  return spec.iterations
 
 
 def pipeline_spec(cfg, stages: int) -> PipelineSpec | None:

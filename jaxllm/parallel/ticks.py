@@ -11,8 +11,8 @@ per stage; at its end `ppermute` moves activations one stage on and gradients on
   forward, so each stage starts backwards as soon as they reach it and holds only the items
   between its forward and backward wave, not all M. With R ≥ 2 (interleaved 1F1B) micro-batches
   go round in groups of S: an item leaving the last stage enters stage 0's next chunk in the
-  next tick. Both waves move one stage a tick, so stage s holds up to 2(S−1−s)+1 items' residuals
-  (chunk 0's; later chunks' fewer), against M·R under GPipe.
+  next tick. Both waves move one stage a tick, so stage s holds up to 2(S−1−s)+1 items'
+  residuals (chunk 0's; later chunks' fewer), against R·M under GPipe.
 
 The bubble is (S−1)/(R·M+S−1) of the ticks' work either way.
 """
