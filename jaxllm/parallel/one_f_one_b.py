@@ -50,12 +50,17 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
   batch_axes = mesh_axes(logical_spec('batch')[0])
   manual = {'pipe', *batch_axes}
   staged, staged_specs = stage_split(stacked, S, R)
-  head_specs = (jax.tree.map(lambda s: keep_axes(s, manual), nnx.get_partition_spec(norm_state)),
-                keep_axes(logical_spec('embed', 'vocab'), manual))
+  head_specs = (nnx.get_partition_spec(norm_state), logical_spec('embed', 'vocab'))
+  in_specs = lambda specs: jax.tree.map(lambda s: keep_axes(s, manual), specs)
   gather = batch_split_gatherer(model_cfg.dtype, model_cfg.grad_reduce_dtype)
+  # The gradient sums' layouts over the axes left to the compiler (tensor): the weights'.
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = set(mesh.axis_names) - manual - set(mesh.manual_axes)
+  layouts = jax.tree.map(lambda s: keep_axes(s, auto),
+                         (jax.tree.map(lambda s: P(*s[1:]), staged_specs), head_specs))
   stage = _Stage(graphdef, model_cfg.remat, jnp.dtype(model_cfg.dtype))
   head = _Head(model_cfg, norm_graph, z_loss)
-  schedule = _schedule_loss(stage, head, one_f_one_b_ticks(S, R, M), spec.bubble_fill)
+  schedule = _schedule_loss(stage, head, one_f_one_b_ticks(S, R, M), layouts, spec.bubble_fill)
 
   def local(staged, head_params, x_M, info_M, targets_M, mask_M):
     staged = jax.tree.map(gather, staged, staged_specs)  # once per step (gather_weights)
@@ -66,7 +71,7 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
   rows = P(None, batch_axes)
   micro = lambda a: split_micro_batches(a, M)
   objective, ce = jax.shard_map(
-      local, in_specs=(staged_specs, head_specs, rows, rows, rows, rows),
+      local, in_specs=(in_specs(staged_specs), in_specs(head_specs), rows, rows, rows, rows),
       out_specs=P(('pipe', *batch_axes)), axis_names=manual, check_vma=False)(
           staged, (norm_state, w_DV), micro(x_BTD),
           jax.tree.map(micro, (positions_BT, segment_ids_BT)), micro(targets_BT), micro(mask_BT))
@@ -118,18 +123,18 @@ class _Head:
     return sums, *pullback(((jnp.ones_like(sums[0]), jnp.zeros_like(sums[1])),))
 
 
-def _schedule_loss(stage: _Stage, head: _Head, ticks, fill: float):
+def _schedule_loss(stage: _Stage, head: _Head, ticks, layouts, fill: float):
   """The custom-VJP loss of one device's share: (objective, cross-entropy) of
   (staged weights [1, R, L/(S·R), ...], head params, x_M, info_M, targets_M, mask_M)."""
 
   @jax.custom_vjp
   def loss(staged, head_params, x_M, info_M, targets_M, mask_M):
-    sums, _ = _run(stage, head, ticks, fill, staged, head_params, x_M, info_M, targets_M,
-                   mask_M, backward=False)
+    sums, _ = _run(stage, head, ticks, layouts, fill, staged, head_params, x_M, info_M,
+                   targets_M, mask_M, backward=False)
     return sums
 
   def loss_fwd(*args):
-    return _run(stage, head, ticks, fill, *args, backward=True)
+    return _run(stage, head, ticks, layouts, fill, *args, backward=True)
 
   def loss_bwd(grads, cotangents):
     scale = cotangents[0]  # the objective's; the cross-entropy carries none
@@ -140,11 +145,12 @@ def _schedule_loss(stage: _Stage, head: _Head, ticks, fill: float):
   return loss
 
 
-def _run(stage: _Stage, head: _Head, ticks, fill: float, staged, head_params, x_M, info_M,
-         targets_M, mask_M, backward: bool):
+def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_params, x_M,
+         info_M, targets_M, mask_M, backward: bool):
   """Runs the schedule: ((objective, cross-entropy), and with `backward` the gradients of
-  the objective for (staged, head_params, x_M)). What arrives in idle slots starts as `fill`
-  (tests poison it with NaN)."""
+  the objective for (staged, head_params, x_M)), their fp32 sums kept in `layouts` (the
+  weights' and the head's over the compiler's axes). What arrives in idle slots starts as
+  `fill` (tests poison it with NaN)."""
   S, R, M = ticks.stages, ticks.repeats, ticks.microbatches
   here = jax.lax.axis_index('pipe')
   first, last = here == 0, here == S - 1
@@ -167,6 +173,7 @@ def _run(stage: _Stage, head: _Head, ticks, fill: float, staged, head_params, x_
   kept_shapes = jax.eval_shape(probe, chunk_weights(0), x_M[0], info_of(0))
   structure = found[0]
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+  pin = lambda tree, specs: jax.tree.map(jax.lax.with_sharding_constraint, tree, specs)
   carry = dict(
       activation=jnp.full(x_M.shape[1:], fill, x_M.dtype),
       gradient=jnp.full(x_M.shape[1:], fill, x_M.dtype),
@@ -174,7 +181,8 @@ def _run(stage: _Stage, head: _Head, ticks, fill: float, staged, head_params, x_
   if backward:
     carry.update(
         buffer=[jnp.zeros((slots, *a.shape), a.dtype) for a in kept_shapes],
-        d_weights=zeros(weights), d_head=zeros(head_params), d_x=jnp.zeros_like(x_M))
+        d_weights=pin(zeros(weights), layouts[0]), d_head=pin(zeros(head_params), layouts[1]),
+        d_x=jnp.zeros_like(x_M))
 
   def tick(has_f: bool, has_b: bool, with_head: bool):
     """One tick's body: a forward, a backward or both on every stage (each masked where the
@@ -205,7 +213,7 @@ def _run(stage: _Stage, head: _Head, ticks, fill: float, staged, head_params, x_
           c['sums'] = tuple(a + s for a, s in zip(c['sums'], sums))
           if backward:
             d_head, d_y = grads
-            c['d_head'] = jax.tree.map(jnp.add, c['d_head'], d_head)
+            c['d_head'] = pin(jax.tree.map(jnp.add, c['d_head'], d_head), layouts[1])
         c['activation'] = jax.lax.ppermute(y, 'pipe', forward_ring)
       if has_b and backward:
         b_valid = mine['b_item'] >= 0
@@ -223,6 +231,7 @@ def _run(stage: _Stage, head: _Head, ticks, fill: float, staged, head_params, x_
           c['d_weights'] = jax.tree.map(
               lambda a, d: jax.lax.dynamic_update_index_in_dim(a, add(a[r], d), r, 0),
               c['d_weights'], d_w)
+        c['d_weights'] = pin(c['d_weights'], layouts[0])
         into_input = first & (r == 0) & b_valid
         c['d_x'] = jax.lax.dynamic_update_index_in_dim(
             c['d_x'], jnp.where(into_input, d_x, c['d_x'][m]), m, 0)

@@ -114,14 +114,15 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
   # run, where they leave the shard_map. 'tensor' stays with the compiler.
   batch_axes = mesh_axes(logical_spec('batch')[0])
   manual = {'pipe', *batch_axes}
-  staged, in_specs = stage_split(stacked, S, R)
+  staged, specs = stage_split(stacked, S, R)
+  in_specs = jax.tree.map(lambda s: keep_axes(s, manual), specs)
   gather = batch_split_gatherer(compute_dtype, grad_dtype)
 
   def run_stage(staged, scales, repeat, x_BTD, rows_info):
     if spec.gather_weights == 'iteration':
       # Tie the gather to this iteration's input, or the compiler hoists it out of the loop.
       staged, x_BTD = jax.lax.optimization_barrier((staged, x_BTD))
-      staged = jax.tree.map(gather, staged, in_specs)
+      staged = jax.tree.map(gather, staged, specs)
     # This device's stage. With one repeat the slice is fixed: the weights stay loop
     # invariants, which the backward pass reads without a copy per iteration.
     layers = jax.tree.map(lambda w: w[0, 0] if R == 1 else w[0, repeat], (staged, scales))
@@ -134,7 +135,7 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
 
   def stages_fn(staged, scales, x_M, info_M):
     if spec.gather_weights == 'step':  # once, for every iteration
-      staged = jax.tree.map(gather, staged, in_specs)
+      staged = jax.tree.map(gather, staged, specs)
     # One copy of the FP8 scales per iteration (each device has its own: `fan_out` below), so
     # their gradients, the amaxes, are each iteration's and the largest is taken.
     scales = jax.tree.map(lambda s: fp8.fan_out(s[0], spec.iterations), scales)
@@ -188,26 +189,28 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
 
 
 def stage_split(stacked, S: int, R: int):
-  """(staged, in_specs): the stacked block parameters as [S, R, L/(S·R), ...] (stored
-  stage-major, each stage's layers stay where they are) and their specs inside a shard_map
-  manual over pipe and the batch axes."""
-  manual = {'pipe', *mesh_axes(logical_spec('batch')[0])}
+  """(staged, specs): the stacked block parameters as [S, R, L/(S·R), ...] (stored
+  stage-major, each stage's layers stay where they are) and their specs over the mesh."""
   staged = jax.tree.map(lambda w: w.reshape(S, R, -1, *w.shape[1:]), stacked)
-  in_specs = jax.tree.map(lambda s: keep_axes(P(s[0], None, None, *s[1:]), manual),
-                          nnx.get_partition_spec(stacked))
-  return staged, in_specs
+  specs = jax.tree.map(lambda s: P(s[0], None, None, *s[1:]), nnx.get_partition_spec(stacked))
+  return staged, specs
 
 
 def batch_split_gatherer(compute_dtype, grad_dtype):
-  """`gather(w, spec)`: inside a shard_map manual over the batch axes, `w` split over them
-  (fsdp) as its `spec` says, gathered whole in the compute dtype (`gather_for_compute`).
-  Made outside the shard_map, where the batch axes can be named."""
+  """`gather(w, spec)`: inside a shard_map manual over pipe and the batch axes, `w` split
+  over the batch axes (fsdp) as its mesh `spec` says, gathered whole in the compute dtype
+  (`gather_for_compute`), and kept split as `spec` says over the axes left to the compiler
+  (tensor; left to itself, XLA gathers those too). Made outside the shard_map, where the
+  batch axes can be named."""
   batch_axes = mesh_axes(logical_spec('batch')[0])
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = set(mesh.axis_names) - {'pipe', *batch_axes, *mesh.manual_axes}
 
   def gather(w, spec: P):
     pieces = tuple((dim, axis) for dim, entry in enumerate(spec)
                    for axis in reversed(mesh_axes(entry)) if axis in batch_axes)
-    return gather_for_compute(w, pieces, jnp.dtype(compute_dtype), jnp.dtype(grad_dtype))
+    return gather_for_compute(w, pieces, keep_axes(spec, auto), jnp.dtype(compute_dtype),
+                              jnp.dtype(grad_dtype))
   return gather
 
 
@@ -227,28 +230,38 @@ def stage_row_order(a, micro_batches: int):
                        axis_names={'pipe', *batch_axes})(a)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather_for_compute(w, pieces, compute_dtype, grad_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather_for_compute(w, pieces, layout, compute_dtype, grad_dtype):
   """`w` all-gathered over its batch-axis `pieces` [(dimension, axis), ...], moving in
-  `compute_dtype`. The result keeps w's dtype (holding compute_dtype's values), so the
-  gradients of every pipeline iteration add up in it; their sum is reduce-scattered back once,
-  in `grad_dtype`."""
-  x = w.astype(compute_dtype)
-  for dim, axis in pieces:
-    x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-  return x.astype(w.dtype)
+  `compute_dtype`, each device gathering its own block of the compiler's axes (`layout`). The
+  result keeps w's dtype (holding compute_dtype's values), so the gradients of every pipeline
+  iteration add up in it; their sum is reduce-scattered back once, in `grad_dtype`."""
+  def gather(x):
+    for dim, axis in pieces:
+      x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+    return x
+  return _blockwise(gather, layout)(w.astype(compute_dtype)).astype(w.dtype)
 
 
-def _gather_fwd(w, pieces, compute_dtype, grad_dtype):
-  return gather_for_compute(w, pieces, compute_dtype, grad_dtype), None
+def _blockwise(f, layout: P):
+  """`f` on each device's block over the axes still left to the compiler (tensor), split as
+  `layout` says: XLA's partitioner runs a collective over manual axes on the whole of those
+  axes' split (a tensor-split weight would be gathered over fsdp whole, tensor ways larger)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = set(mesh.axis_names) - set(mesh.manual_axes)
+  return jax.shard_map(f, in_specs=layout, out_specs=layout, axis_names=auto, check_vma=False)
 
 
-def _gather_bwd(pieces, compute_dtype, grad_dtype, _, g):
-  dtype = g.dtype
-  g = g.astype(grad_dtype)
-  for dim, axis in reversed(pieces):
-    g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-  return (g.astype(dtype),)
+def _gather_fwd(w, pieces, layout, compute_dtype, grad_dtype):
+  return gather_for_compute(w, pieces, layout, compute_dtype, grad_dtype), None
+
+
+def _gather_bwd(pieces, layout, compute_dtype, grad_dtype, _, g):
+  def scatter(g):
+    for dim, axis in reversed(pieces):
+      g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+    return g
+  return (_blockwise(scatter, layout)(g.astype(grad_dtype)).astype(g.dtype),)
 
 
 gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
