@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import (assert_params_close, paired_leaves, small_config, step_gradients,
-                      text_config)
-from jaxllm.model import Transformer
+from conftest import (assert_params_close, model_on, paired_leaves, small_config,
+                      step_gradients, text_config)
 from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.parallel.pipeline import PipelineSpec, pipeline_layers, to_stage_order
 from jaxllm.train import setup, train
@@ -30,8 +29,8 @@ def loss_and_grads(cfg, mesh, layers_fn):
 
   Rows are packed: row b holds a document of b % 7 + 1 tokens, then the next one, so every
   micro-batch must travel with its own positions and segment ids."""
+  graphdef, params = model_on(cfg, mesh)
   with sharding_context(mesh, cfg.sharding.rules):
-    graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
     x_BTD = jax.random.normal(jax.random.key(1), (16, 8, cfg.model.embed_dim))
     t, cut = np.arange(8), np.arange(16)[:, None] % 7 + 1
     segment_ids_BT = jnp.asarray(np.where(t < cut, 1, 2))
