@@ -13,9 +13,9 @@ from ml_collections import ConfigDict
 
 from jaxllm.model import Transformer, fp8, sequence_positions
 from jaxllm.optim import lr_schedule
-from jaxllm.parallel.one_f_one_b import pipeline_loss
 from jaxllm.parallel.mesh import (check_divisible, logical_spec, sharding_context,
                                   split_micro_batches)
+from jaxllm.parallel.one_f_one_b import pipeline_loss
 from jaxllm.parallel.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
 from jaxllm.parallel.rules import mesh_axes
 from jaxllm.parallel.zero import optimizer_shardings, zero_specs
