@@ -39,7 +39,7 @@ class Ticks:
 
   @property
   def busy(self) -> np.ndarray:
-    """[ticks, S]: whether each slot computes for an item (forward, backward)."""
+    """[ticks, S, 2]: whether each stage's forward and backward slot computes for an item."""
     return np.stack([self.forward >= 0, self.backward >= 0], -1)
 
   def bubble_fraction(self, backward_cost: float = 2.0) -> float:
