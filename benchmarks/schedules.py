@@ -21,7 +21,7 @@ from absl import flags
 from jaxllm import analyze, metrics
 from jaxllm.backends import gpu_devices, start_backends
 from jaxllm.cli import main_guard, parse_command_line
-from jaxllm.config import PIPELINE_SCHEDULES, ConfigError
+from jaxllm.config import PIPELINE_SCHEDULES, ROUND_TRIP_SCHEDULES, ConfigError
 from jaxllm.cost import report
 from jaxllm.cost.hardware import hardware_profile
 from jaxllm.parallel.pipeline import pipeline_spec, residual_items
@@ -34,7 +34,6 @@ from programs import _MESH, parse_mesh  # noqa: E402
 _SCHEDULES = flags.DEFINE_list('schedules', list(PIPELINE_SCHEDULES), 'Schedules to compare.')
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'pipeline.repeats of circular and interleaved.')
 
-REPEATED = ('circular', 'interleaved_1f1b')
 
 
 def main(argv: list[str]) -> None:
@@ -63,7 +62,7 @@ def main(argv: list[str]) -> None:
   print('|---|---:|---:|---:|---:|---|---|---:|---:|---:|')
   for schedule in _SCHEDULES.value:
     c = cfg.copy_and_resolve_references()
-    R = _REPEATS.value if schedule in REPEATED else 1
+    R = _REPEATS.value if schedule in ROUND_TRIP_SCHEDULES else 1
     c.pipeline.update(schedule=schedule, repeats=R)
     ticks = schedule_ticks(schedule, S, R, M)
     kept = residual_items(pipeline_spec(c, S))

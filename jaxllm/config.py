@@ -31,6 +31,9 @@ DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord', 'cha
 # Schedules whose stages interleave forwards and backwards (`jaxllm.parallel.one_f_one_b`).
 ONE_F_ONE_B_SCHEDULES = ('1f1b', 'interleaved_1f1b')
 PIPELINE_SCHEDULES = ('gpipe', 'circular', *ONE_F_ONE_B_SCHEDULES)
+# The schedules whose micro-batches go round the stages pipeline.repeats ≥ 2 times, and the
+# one-trip schedule of each.
+ROUND_TRIP_SCHEDULES = {'circular': 'gpipe', 'interleaved_1f1b': '1f1b'}
 
 
 GATHER_MODES = ('step', 'iteration')

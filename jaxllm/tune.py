@@ -29,7 +29,7 @@ _SPLITS = flags.DEFINE_list('splits', ['none'], f'Sequence and context splits to
                             f'{", ".join(SPLITS)}.')
 _LOSS_CHUNK = flags.DEFINE_list('loss-chunk', [],
                                 'model.loss_chunk values to try (default: the config\'s).')
-_SCHEDULES = flags.DEFINE_list('schedules', ['gpipe', '1f1b', 'circular', 'interleaved_1f1b'],
+_SCHEDULES = flags.DEFINE_list('schedules', list(PIPELINE_SCHEDULES),
                                'pipeline.schedule values to try on meshes with pipe > 1 '
                                '(circular and interleaved_1f1b with repeats=2).')
 

@@ -11,7 +11,8 @@ from ml_collections import ConfigDict
 
 from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DTYPES, FP8_RECIPES,
                            GATHER_MODES, MESH_AXES, ONE_F_ONE_B_SCHEDULES, PIPELINE_SCHEDULES,
-                           REMAT_POLICIES, SCHEDULES, ZERO_STAGES, ConfigError, pipeline_shape)
+                           REMAT_POLICIES, ROUND_TRIP_SCHEDULES, SCHEDULES, ZERO_STAGES, ConfigError,
+                           pipeline_shape)
 from jaxllm.parallel.rules import batch_shards, mesh_axes
 
 def resolve_mesh(mesh_cfg: ConfigDict, num_devices: int) -> dict[str, int]:
@@ -269,12 +270,12 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   _choice(p.schedule, 'pipeline.schedule', PIPELINE_SCHEDULES)
   _choice(p.gather_weights, 'pipeline.gather_weights', GATHER_MODES)
   R, M = pipeline_shape(cfg, S)
-  single = {'gpipe': 'circular', '1f1b': 'interleaved_1f1b'}  # and their R ≥ 2 forms
-  if p.schedule in single and R != 1:
+  if p.schedule not in ROUND_TRIP_SCHEDULES and R != 1:
+    round_trips = {v: k for k, v in ROUND_TRIP_SCHEDULES.items()}[p.schedule]
     raise ConfigError(f'pipeline.repeats={R} needs pipeline.schedule='
-                      f"'{single[p.schedule]}'; set repeats=1 for {p.schedule}.")
-  if p.schedule not in single and R < 2:
-    plain = {v: k for k, v in single.items()}[p.schedule]
+                      f"'{round_trips}'; set repeats=1 for {p.schedule}.")
+  if p.schedule in ROUND_TRIP_SCHEDULES and R < 2:
+    plain = ROUND_TRIP_SCHEDULES[p.schedule]
     raise ConfigError(f"pipeline.repeats={R}: the {p.schedule} schedule needs repeats ≥ 2 "
                       f"(or use pipeline.schedule='{plain}').")
   if cfg.model.num_layers % (S * R):

@@ -12,13 +12,13 @@ from absl import flags
 from conftest import data_reductions, run_cli, small_config
 from jaxllm import analyze as analyze_cli
 from jaxllm import backends, tune
-from jaxllm.config import ConfigError
+from jaxllm.config import PIPELINE_SCHEDULES, ConfigError
 from jaxllm.cost import hlo
 from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES, axes_across_nodes
 from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
-from jaxllm.cost.tune import (REPEATS, Space, candidates, factorisations, format_table, measure,
+from jaxllm.cost.tune import (Space, candidates, factorisations, format_table, measure,
                                pipeline_text, rank)
 
 H100 = PROFILES['h100-nvlink']
@@ -314,7 +314,7 @@ def test_tune_tries_each_pipeline_schedule_on_meshes_with_stages(tiny_config):
   circular and interleaved 1F1B at repeats=2, refused by the config's checks where tiny's 4
   layers do not split into pipe×2; the table names each row's schedule (rows made up here
   rather than compiled: test_tune_ranks_the_tiny_config_and_measures_the_best_two compiles)."""
-  found = list(candidates(tiny_config, 4, Space(('none',), schedules=tuple(REPEATS))))
+  found = list(candidates(tiny_config, 4, Space(('none',), schedules=PIPELINE_SCHEDULES)))
   meshes = factorisations(4, 4)
   assert len(found) == len(meshes) + 3 * len([m for m in meshes if m[2] > 1])
   mesh = lambda c: tuple(c.mesh[a] for a in ('data', 'fsdp', 'pipe', 'tensor'))

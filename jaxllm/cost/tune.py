@@ -14,7 +14,7 @@ from ml_collections import ConfigDict
 
 from jaxllm.backends import is_compile_only
 from jaxllm.checkpoint import restore_target
-from jaxllm.config import MESH_AXES, ConfigError
+from jaxllm.config import MESH_AXES, ROUND_TRIP_SCHEDULES, ConfigError
 from jaxllm.cost.compile import shard_bytes
 from jaxllm.cost.hardware import Hardware, usable_memory
 from jaxllm.cost.report import analyze, program_text, seconds_text, size_text
@@ -45,8 +45,6 @@ SPLITS = {  # name: (what a row says, the config fields it sets)
     'cp_sp': ('context (fsdp) + sequence (tensor) parallel',
               {**CONTEXT_PARALLEL, **SEQUENCE_PARALLEL}),
 }
-# pipeline.repeats for each schedule: the interleaved ones at their fewest trips, R = 2.
-REPEATS = {'gpipe': 1, '1f1b': 1, 'circular': 2, 'interleaved_1f1b': 2}
 
 
 def with_fields(cfg: ConfigDict, fields: dict) -> ConfigDict:
@@ -90,7 +88,8 @@ def candidates(cfg: ConfigDict, devices: int, space: Space):
     if c.mesh.pipe > 1:
       c.pipeline.microbatches = 0  # the default, 2 × stages
     if schedule:  # validate says when the layers do not split into pipe × repeats
-      c.pipeline.update(schedule=schedule, repeats=REPEATS[schedule])
+      # The round-trip schedules at their fewest trips, R = 2.
+      c.pipeline.update(schedule=schedule, repeats=2 if schedule in ROUND_TRIP_SCHEDULES else 1)
     # The axes a split puts the sequence over: one of size 1 makes a program another split
     # (or none) already makes.
     seq_axes = {a for path, rule in SPLITS[split][1].items() if path.endswith('seq') for a in rule}

@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.model.transformer import head_loss_sum, scan_blocks
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
-from jaxllm.parallel.pipeline import PipelineSpec, batch_split_gatherer, stage_split
+from jaxllm.parallel.pipeline import (PipelineSpec, batch_split_gatherer, compiler_axes,
+                                     stage_split)
 from jaxllm.parallel.rules import mesh_axes
 from jaxllm.parallel.ticks import one_f_one_b_ticks
 
@@ -54,8 +55,7 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
   in_specs = lambda specs: jax.tree.map(lambda s: keep_axes(s, manual), specs)
   gather = batch_split_gatherer(model_cfg.dtype, model_cfg.grad_reduce_dtype)
   # The gradient sums' layouts over the axes left to the compiler (tensor): the weights'.
-  mesh = jax.sharding.get_abstract_mesh()
-  auto = set(mesh.axis_names) - manual - set(mesh.manual_axes)
+  auto = compiler_axes()
   layouts = jax.tree.map(lambda s: keep_axes(s, auto),
                          (jax.tree.map(lambda s: P(*s[1:]), staged_specs), head_specs))
   stage = _Stage(graphdef, model_cfg.remat, jnp.dtype(model_cfg.dtype))
@@ -164,14 +164,6 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
   forward_ring = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
   backward_ring = [((i + 1) % S, i) for i in range(S if R > 1 else S - 1)]
 
-  # The residuals' shapes and the pullback's structure, from a trace of one forward.
-  found = []
-  def probe(w, x, info):
-    _, kept, structure = stage.linearize(w, x, info)
-    found.append(structure)
-    return kept
-  kept_shapes = jax.eval_shape(probe, chunk_weights(0), x_M[0], info_of(0))
-  structure = found[0]
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
   pin = lambda tree, specs: jax.tree.map(jax.lax.with_sharding_constraint, tree, specs)
   carry = dict(
@@ -179,6 +171,14 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
       gradient=jnp.full(x_M.shape[1:], fill, x_M.dtype),
       sums=(jnp.float32(0), jnp.float32(0)))
   if backward:
+    # The residuals' shapes and the pullback's structure, from a trace of one forward.
+    found = []
+    def probe(w, x, info):
+      _, kept, structure = stage.linearize(w, x, info)
+      found.append(structure)
+      return kept
+    kept_shapes = jax.eval_shape(probe, chunk_weights(0), x_M[0], info_of(0))
+    structure = found[0]
     carry.update(
         buffer=[jnp.zeros((slots, *a.shape), a.dtype) for a in kept_shapes],
         d_weights=pin(zeros(weights), layouts[0]), d_head=pin(zeros(head_params), layouts[1]),

@@ -196,6 +196,14 @@ def stage_split(stacked, S: int, R: int):
   return staged, specs
 
 
+def compiler_axes() -> set[str]:
+  """The mesh axes a pipeline's shard_map (manual over pipe and the batch axes) leaves to the
+  compiler: tensor. Asked outside the shard_map."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return set(mesh.axis_names) - {'pipe', *mesh_axes(logical_spec('batch')[0]),
+                                 *mesh.manual_axes}
+
+
 def batch_split_gatherer(compute_dtype, grad_dtype):
   """`gather(w, spec)`: inside a shard_map manual over pipe and the batch axes, `w` split
   over the batch axes (fsdp) as its mesh `spec` says, gathered whole in the compute dtype
@@ -203,8 +211,7 @@ def batch_split_gatherer(compute_dtype, grad_dtype):
   (tensor; left to itself, XLA gathers those too). Made outside the shard_map, where the
   batch axes can be named."""
   batch_axes = mesh_axes(logical_spec('batch')[0])
-  mesh = jax.sharding.get_abstract_mesh()
-  auto = set(mesh.axis_names) - {'pipe', *batch_axes, *mesh.manual_axes}
+  auto = compiler_axes()
 
   def gather(w, spec: P):
     pieces = tuple((dim, axis) for dim, entry in enumerate(spec)
