@@ -6,7 +6,7 @@
 
 For each schedule (circular and interleaved with --repeats): how many stage visits a stage
 keeps residuals for at once (`pipeline.residual_items`) and the bubble (from the tick tables,
-`jaxllm.parallel.ticks`); from the compiled step the
+`jaxllm.pipeline.ticks`); from the compiled step the
 temporaries and peak memory per device (a device is a stage), the largest array (under the
 pipelines, the residuals kept for the backward), the bytes sent over pipe beside the analytic
 figure (`jaxllm.cost.traffic.expected_bytes`), and the predicted step time and MFU, all as
@@ -24,8 +24,8 @@ from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import PIPELINE_SCHEDULES, ROUND_TRIP_SCHEDULES, ConfigError
 from jaxllm.cost import report
 from jaxllm.cost.hardware import hardware_profile
-from jaxllm.parallel.pipeline import pipeline_spec, residual_items
-from jaxllm.parallel.ticks import schedule_ticks
+from jaxllm.pipeline.spec import pipeline_spec, residual_items
+from jaxllm.pipeline.ticks import schedule_ticks
 
 sys.path.insert(0, __file__.rsplit('/', 1)[0])
 from programs import _MESH, parse_mesh  # noqa: E402

@@ -18,7 +18,6 @@ import os
 from ml_collections import ConfigDict
 
 from jaxllm.config import ConfigError
-from jaxllm.cost.hardware import Hardware
 
 CUDA_PLUGINS = ('jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
 GPU_COMPILE_INSTALL = ('pip install "jaxllm[gpu-compile]" (in a checkout: '
@@ -132,9 +131,11 @@ def plugin_cuda() -> tuple[int, int, int]:
   return (13, 0, 0) if importlib.util.find_spec(CUDA_PLUGINS[0]) else (12, 0, 0)
 
 
-def gpu_devices(hardware: Hardware, count: int) -> list:
-  """`count` compile-only devices of the profile's GPU, in nodes of `devices_per_node`, one
-  host each (as a real run lays them out): what a step is lowered and compiled for."""
+def gpu_devices(hardware, count: int) -> list:
+  """`count` compile-only devices of the profile's GPU (`hardware`, a
+  `jaxllm.cost.hardware.Hardware`: the runtime imports nothing of the cost model), in nodes of
+  `devices_per_node`, one host each (as a real run lays them out): what a step is lowered and
+  compiled for."""
   if not cuda_plugin_installed():
     raise ConfigError(f'--hardware={hardware.name}: compiling the GPU program needs JAX\'s CUDA '
                       f'plugin; install it with {GPU_COMPILE_INSTALL}, or pass --compiler=cpu '

@@ -28,7 +28,7 @@ DATA_SOURCES = ('files', 'synthetic')
 DATA_FORMATS = ('auto', 'text', 'lines', 'jsonl', 'parquet', 'arrayrecord', 'chat')
 
 
-# Schedules whose stages interleave forwards and backwards (`jaxllm.parallel.one_f_one_b`).
+# Schedules whose stages interleave forwards and backwards (`jaxllm.pipeline.one_f_one_b`).
 ONE_F_ONE_B_SCHEDULES = ('1f1b', 'interleaved_1f1b')
 PIPELINE_SCHEDULES = ('gpipe', 'circular', *ONE_F_ONE_B_SCHEDULES)
 # The schedules whose micro-batches go round the stages pipeline.repeats ≥ 2 times, and the

@@ -11,7 +11,19 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 
 from jaxllm.config import ConfigError
-from jaxllm.cost.hardware import PEAK_FLOPS
+
+# Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s of one device, by a substring of its
+# `device_kind`, the first that matches: NVIDIA's datasheets for the H100 (SXM and PCIe), H200
+# SXM, A100 (SXM, 40 and 80 GB alike) and HGX B200 (which print the sparse figure, twice these).
+# The train prints' MFU divides by these (`peak_flops`), and `jaxllm.cost.hardware`'s profiles
+# take theirs from here.
+PEAK_FLOPS = {
+    'H100 PCIe': 756e12,
+    'H100': 989e12,
+    'H200': 989e12,
+    'A100': 312e12,
+    'B200': 2.25e15,
+}
 
 
 def param_counts(m: ConfigDict) -> dict[str, int]:

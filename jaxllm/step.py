@@ -15,10 +15,11 @@ from jaxllm.model import Transformer, fp8, sequence_positions
 from jaxllm.optim import lr_schedule
 from jaxllm.parallel.mesh import (check_divisible, logical_spec, sharding_context,
                                   split_micro_batches)
-from jaxllm.parallel.one_f_one_b import pipeline_loss
-from jaxllm.parallel.pipeline import PipelineSpec, pipeline_layers, stage_row_order, to_stage_order
 from jaxllm.parallel.rules import mesh_axes
 from jaxllm.parallel.zero import optimizer_shardings, zero_specs
+from jaxllm.pipeline.gpipe import pipeline_layers, stage_row_order
+from jaxllm.pipeline.one_f_one_b import pipeline_loss
+from jaxllm.pipeline.spec import PipelineSpec, to_stage_order
 
 
 class TrainState(NamedTuple):
@@ -71,7 +72,7 @@ def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, ru
                pipeline: PipelineSpec | None = None, zero: int = 0):
   """Creates the train state already sharded (inside jit), never whole on one device.
 
-  Under a circular pipeline the blocks are stored stage-major (see `jaxllm.parallel.pipeline`).
+  Under a circular pipeline the blocks are stored stage-major (see `jaxllm.pipeline.spec`).
   """
   graphdef, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed, pipeline, zero)
   with sharding_context(mesh, rules):

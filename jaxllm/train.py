@@ -31,9 +31,9 @@ from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.model import fp8, with_available_attention
 from jaxllm.optim import make_optimizer
 from jaxllm.parallel.mesh import host_split, hosts, make_mesh, sharding_context
-from jaxllm.parallel.pipeline import (PipelineSpec, from_stage_order, pipeline_spec, residual_items,
-                                     to_stage_order)
 from jaxllm.parallel.rules import Layout, derive, mesh_axes
+from jaxllm.pipeline.spec import (PipelineSpec, from_stage_order, pipeline_spec, residual_items,
+                                  to_stage_order)
 from jaxllm.step import TrainState, init_state, loss_terms, state_shapes, train_step_for
 from jaxllm.validate import resolve_mesh, validate
 

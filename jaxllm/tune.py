@@ -11,14 +11,19 @@ prediction.
 
 from __future__ import annotations
 
+import time
+
 import jax
 from absl import flags
+from ml_collections import ConfigDict
 
 from jaxllm import analyze
 from jaxllm.cli import main_guard
 from jaxllm.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ConfigError
 from jaxllm.cost.report import seconds_text
-from jaxllm.cost.tune import SPLITS, Space, format_table, measure, rank
+from jaxllm.cost.tune import SPLITS, Space, format_table, rank
+from jaxllm.parallel.mesh import sharding_context
+from jaxllm.train import setup
 
 _MEASURE = flags.DEFINE_integer('measure', 0, 'Run the best K candidates for a few steps.')
 _MEASURE_STEPS = flags.DEFINE_integer('measure-steps', 3, 'Timed steps per measured candidate.')
@@ -72,6 +77,23 @@ def check_flags() -> Space:
   chunks = _integers(_LOSS_CHUNK, 0, '0,1024') if _LOSS_CHUNK.value else ()
   return Space(tuple(remats), _integers(_MICRO_BATCHES, 1, '1,2,4'), zero, tuple(_SPLITS.value),
                chunks, tuple(_SCHEDULES.value))
+
+
+def measure(c: ConfigDict, steps: int, devices=None) -> float:
+  """Seconds per train step of `c` on `devices` (default: all present), after two warm-up
+  steps."""
+  run = setup(c, devices)
+  state, batch = run.state, next(run.batches)
+  with sharding_context(run.mesh, run.layout.rules):
+    step = run.train_step.lower(state, batch).compile()
+  for _ in range(2):
+    state, _ = step(state, batch)
+  jax.block_until_ready(state)
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, _ = step(state, next(run.batches))
+  jax.block_until_ready(state)
+  return (time.perf_counter() - start) / steps
 
 
 def main(argv: list[str]) -> None:

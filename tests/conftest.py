@@ -143,7 +143,7 @@ def step_gradients(cfg, devices=None):
   mesh: `jaxllm.step.make_train_step` with an "optimizer" that stores the gradients it is
   given as its state. Blocks in layer order, on the host."""
   import optax
-  from jaxllm.parallel.pipeline import from_stage_order
+  from jaxllm.pipeline.spec import from_stage_order
   from jaxllm.step import TrainState, make_train_step
   from jaxllm.train import setup
 

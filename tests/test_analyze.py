@@ -18,7 +18,7 @@ from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES, axes_across_nodes
 from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
-from jaxllm.cost.tune import (Space, candidates, factorisations, format_table, measure,
+from jaxllm.cost.tune import (Space, candidates, factorisations, format_table,
                                pipeline_text, rank)
 
 H100 = PROFILES['h100-nvlink']
@@ -282,7 +282,7 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
   # no schedules asked for: the config's, gpipe, where there is a pipeline
   assert {(r['mesh']['pipe'] > 1, r['pipeline']) for r in rows} == {(False, '-'), (True, 'gpipe')}
   for row in rows[:2]:
-    assert measure(row['config'], steps=1, devices=devices) > 0
+    assert tune.measure(row['config'], steps=1, devices=devices) > 0
 
 
 def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, paired_leaves, small_config, text_config
 from jaxllm.config import ConfigError, TrainingError
-from jaxllm.parallel.pipeline import from_stage_order
+from jaxllm.pipeline.spec import from_stage_order
 from jaxllm.train import setup, train
 
 TINY = ['--config', 'configs/tiny.py', '--config.train.log_every=1', '--config.optim.warmup_steps=0',

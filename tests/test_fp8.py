@@ -14,7 +14,7 @@ import pytest
 from conftest import paired_leaves, text_config
 from jaxllm.config import ConfigError
 from jaxllm.model import fp8
-from jaxllm.parallel.pipeline import from_stage_order
+from jaxllm.pipeline.spec import from_stage_order
 from jaxllm.train import train
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0

@@ -19,7 +19,7 @@ from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES, usable_memory
 from jaxllm.cost.report import attention, format_report, memory, program_report, report
 from jaxllm.model import with_available_attention
-from jaxllm.parallel.ticks import schedule_ticks
+from jaxllm.pipeline.ticks import schedule_ticks
 
 pytestmark = pytest.mark.skipif(not backends.cuda_plugin_installed(),
                                 reason='needs JAX\'s CUDA plugin: pip install -e ".[dev]"')

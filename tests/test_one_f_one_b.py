@@ -10,9 +10,9 @@ from flax import nnx
 from conftest import model_on, paired_leaves, small_config
 from jaxllm.config import ConfigError
 from jaxllm.parallel.mesh import make_mesh, sharding_context
-from jaxllm.parallel.one_f_one_b import pipeline_loss
-from jaxllm.parallel.pipeline import PipelineSpec, to_stage_order
-from jaxllm.parallel.ticks import gpipe_ticks, one_f_one_b_ticks
+from jaxllm.pipeline.one_f_one_b import pipeline_loss
+from jaxllm.pipeline.spec import PipelineSpec, to_stage_order
+from jaxllm.pipeline.ticks import gpipe_ticks, one_f_one_b_ticks
 from jaxllm.validate import resolve_mesh, validate
 
 SHAPES = [(2, 1, 2), (2, 1, 3), (4, 1, 1), (4, 1, 6), (4, 1, 16), (2, 2, 4), (4, 2, 8),

@@ -11,7 +11,8 @@ from flax import nnx
 from conftest import (assert_params_close, model_on, paired_leaves, small_config,
                       step_gradients, text_config)
 from jaxllm.parallel.mesh import make_mesh, sharding_context
-from jaxllm.parallel.pipeline import PipelineSpec, pipeline_layers, to_stage_order
+from jaxllm.pipeline.gpipe import pipeline_layers
+from jaxllm.pipeline.spec import PipelineSpec, to_stage_order
 from jaxllm.train import setup, train
 from jaxllm.validate import resolve_mesh
 
@@ -82,7 +83,7 @@ def test_pipeline_equals_plain_stack(stages, repeats, microbatches, remat, plain
 
 
 def test_stage_order_round_trips_and_interleaves():
-  from jaxllm.parallel.pipeline import from_stage_order
+  from jaxllm.pipeline.spec import from_stage_order
   tree = {'blocks': {'w': jnp.arange(8)}, 'embed': jnp.arange(3)}
   staged = to_stage_order(tree, stages=2, repeats=2)
   # Stage 0 holds blocks 0 and 2 (layers 0,1 and 4,5); stage 1 holds blocks 1 and 3.
@@ -111,7 +112,7 @@ PIPE_MESHES = {  # mesh, pipeline settings, train.micro_batches, sharding.zero
 def test_pipelined_training_matches_one_device(mesh, pipeline, micro_batches, zero, corpus,
                                                one_device_run):
   """Losses, gradient norms and trained params of 3 steps match one device's at 1e-5."""
-  from jaxllm.parallel.pipeline import from_stage_order
+  from jaxllm.pipeline.spec import from_stage_order
   ref_params, ref_losses, ref_norms = one_device_run
   cfg = text_config(corpus, **mesh)
   cfg.pipeline.update(microbatches=mesh['pipe'], **pipeline)

@@ -18,9 +18,9 @@ from jaxllm.config import ConfigError
 from jaxllm.model import with_available_attention
 from jaxllm.optim import make_optimizer
 from jaxllm.parallel.mesh import batch_sharding, make_mesh, sharding_context
-from jaxllm.parallel.pipeline import PipelineSpec, pipeline_spec
 from jaxllm.parallel.rules import Layout, derive, mesh_axes
 from jaxllm.parallel.zero import over_data
+from jaxllm.pipeline.spec import PipelineSpec, pipeline_spec
 from jaxllm.step import state_shapes, train_step_for
 from jaxllm.validate import resolve_mesh, validate
 

@@ -1,7 +1,7 @@
 """Hardware profiles: what predictions need (memory, and the measured rates the timing model
 times kernels and collectives with, `KernelRates`, each with its public source) and, for a
 GPU, what XLA's GPU compiler needs to know of the device to compile for it without one
-(`jaxllm.backends.gpu_devices`); and the devices' peak FLOP/s, which MFU divides by.
+(`jaxllm.backends.gpu_devices`); peak FLOP/s come from `jaxllm.metrics.PEAK_FLOPS`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 
 from jaxllm.config import ConfigError
 from jaxllm.cost import gemm_rates
+from jaxllm.metrics import PEAK_FLOPS
 from jaxllm.parallel.mesh import host_split
 
 GiB, MiB = 2**30, 2**20
@@ -19,19 +20,6 @@ GiB, MiB = 2**30, 2**20
 # What JAX lets a process use of a GPU's memory by default (its allocator's preallocation);
 # XLA_PYTHON_CLIENT_MEM_FRACTION changes it.
 DEFAULT_MEM_FRACTION = 0.75
-
-# Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s of one device, by a substring of its
-# `device_kind`, the first that matches: NVIDIA's datasheets for the H100 (SXM and PCIe), H200
-# SXM, A100 (SXM, 40 and 80 GB alike) and HGX B200 (which print the sparse figure, twice these).
-# The profiles below take theirs from here, and so do the train prints' MFU (`metrics.peak_flops`).
-PEAK_FLOPS = {
-    'H100 PCIe': 756e12,
-    'H100': 989e12,
-    'H200': 989e12,
-    'A100': 312e12,
-    'B200': 2.25e15,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:

@@ -1,15 +1,14 @@
 """Every mesh data·fsdp·pipe·tensor of N devices the model allows, with each micro-batch
 count, remat policy and (pipe > 1) pipeline schedule: compiled from shapes, those that do not
-fit left out, the rest ranked by predicted step time; and the best timed for a few real steps."""
+fit left out, the rest ranked by predicted step time (`python -m jaxllm.tune` also times the best
+for a few real steps)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import itertools
-import time
 
-import jax
 from ml_collections import ConfigDict
 
 from jaxllm.backends import is_compile_only
@@ -19,9 +18,9 @@ from jaxllm.cost.compile import shard_bytes
 from jaxllm.cost.hardware import Hardware, usable_memory
 from jaxllm.cost.report import analyze, program_text, seconds_text, size_text
 from jaxllm.optim import make_optimizer
-from jaxllm.parallel.mesh import make_mesh, sharding_context
-from jaxllm.parallel.pipeline import pipeline_spec
+from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.rules import derive
+from jaxllm.pipeline.spec import pipeline_spec
 from jaxllm.step import state_shapes
 from jaxllm.validate import validate
 
@@ -152,24 +151,6 @@ def rank(cfg: ConfigDict, hardware: Hardware, space: Space, devices):
                  'memory': report['memory']['peak'], **report['prediction']})
   rows.sort(key=lambda r: r['step_s'])
   return rows, skipped
-
-
-def measure(c: ConfigDict, steps: int, devices=None) -> float:
-  """Seconds per train step of `c` on `devices` (default: all present), after two warm-up
-  steps."""
-  from jaxllm.train import setup  # the real run: data, state and all
-  run = setup(c, devices)
-  state, batch = run.state, next(run.batches)
-  with sharding_context(run.mesh, run.layout.rules):
-    step = run.train_step.lower(state, batch).compile()
-  for _ in range(2):
-    state, _ = step(state, batch)
-  jax.block_until_ready(state)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, _ = step(state, next(run.batches))
-  jax.block_until_ready(state)
-  return (time.perf_counter() - start) / steps
 
 
 def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -> str:

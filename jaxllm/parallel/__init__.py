@@ -1,2 +1,3 @@
-"""How arrays are split over the device mesh: the mesh, the rules a run shards by, the
-pipeline over the pipe axis, ZeRO's optimizer-state layout."""
+"""How arrays are split over the device mesh and moved: the mesh, the rules a run shards by,
+ZeRO's optimizer-state layout, collective rings and the pipelines' weight gathers. Nothing here
+imports the model."""

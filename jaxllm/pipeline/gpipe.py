@@ -10,13 +10,12 @@ the output head runs once per row, split over the stages.
 Schedules: GPipe (R = 1), and circular with R repeats, where stage s holds the layer blocks
 s, s+S, s+2S, ... and a micro-batch goes round the ring R times. Under circular, the layer
 axis of the stored parameters is stage-major (each stage's blocks are contiguous, so they sit
-on its device); `to_stage_order` and `from_stage_order` convert from and to layer order.
+on its device); `jaxllm.pipeline.spec.to_stage_order` and `from_stage_order` convert from and
+to layer order.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
 import jax
@@ -24,78 +23,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import ONE_F_ONE_B_SCHEDULES, pipeline_shape
 from jaxllm.model import fp8
 from jaxllm.model.remat import stack_policy
 from jaxllm.model.transformer import scan_blocks
+from jaxllm.parallel.gather import batch_split_gatherer
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
 from jaxllm.parallel.rules import mesh_axes
-from jaxllm.parallel.ticks import one_f_one_b_ticks
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineSpec:
-  stages: int              # S: devices on the pipe axis
-  repeats: int             # R: trips round the ring (1: GPipe)
-  microbatches: int        # M
-  gather_weights: str      # 'step': all-gather fsdp-split stage weights once per step;
-                           # 'iteration': let each iteration gather what it uses
-  schedule: str = 'gpipe'  # pipeline.schedule
-  bubble_fill: float = 0.0  # what bubble iterations' state starts as (tests poison it with NaN)
-
-  @property
-  def one_f_one_b(self) -> bool:
-    """Whether each stage interleaves forwards and backwards (`jaxllm.parallel.one_f_one_b`);
-    otherwise autodiff runs the backward after every forward."""
-    return self.schedule in ONE_F_ONE_B_SCHEDULES
-
-  @property
-  def iterations(self) -> int:
-    return self.repeats * self.microbatches + self.stages - 1
-
-  @property
-  def bubble_fraction(self) -> float:
-    return (self.stages - 1) / self.iterations
-
-
-def residual_items(spec: PipelineSpec) -> int:
-  """How many stage visits (a micro-batch through one of a stage's R chunks) a stage keeps
-  residuals for at once: under GPipe and circular every iteration's, R·M+S−1 (the scan keeps
-  the bubble iterations' too); under 1F1B its tick table's slots."""
-  if spec.one_f_one_b:
-    return one_f_one_b_ticks(spec.stages, spec.repeats, spec.microbatches).slots()[2]
-  return spec.iterations
-
-
-def pipeline_spec(cfg, stages: int) -> PipelineSpec | None:
-  """The pipeline a validated config asks for on `stages` pipe devices; None without one."""
-  if stages == 1:
-    return None
-  repeats, microbatches = pipeline_shape(cfg, stages)
-  return PipelineSpec(stages, repeats, microbatches, cfg.pipeline.gather_weights,
-                      cfg.pipeline.schedule)
-
-
-def _swap_layer_groups(tree, outer: int, inner: int):
-  """Views each block parameter's layer axis as [outer, inner, rest] and swaps the two groups."""
-  def swap(path, x):
-    if "'blocks'" not in jax.tree_util.keystr(path):
-      return x
-    x = x.reshape(outer, inner, -1, *x.shape[1:]).swapaxes(0, 1)
-    return x.reshape(-1, *x.shape[3:])
-  return jax.tree_util.tree_map_with_path(swap, tree)
-
-
-def to_stage_order(tree, stages: int, repeats: int):
-  """Layer order -> stage-major: stage s's blocks s, s+S, ... become contiguous.
-
-  Applies to every '.blocks' leaf of `tree` (parameters, optimizer moments)."""
-  return _swap_layer_groups(tree, repeats, stages) if repeats > 1 else tree
-
-
-def from_stage_order(tree, stages: int, repeats: int):
-  """Stage-major -> layer order; inverse of `to_stage_order`."""
-  return _swap_layer_groups(tree, stages, repeats) if repeats > 1 else tree
+from jaxllm.pipeline.spec import PipelineSpec, stage_split
 
 
 def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spec: PipelineSpec,
@@ -188,39 +122,6 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
                        check_vma=False)(staged, scales, split_micro_batches(x_BTD, M), info_M)
 
 
-def stage_split(stacked, S: int, R: int):
-  """(staged, specs): the stacked block parameters as [S, R, L/(S·R), ...] (stored
-  stage-major, each stage's layers stay where they are) and their specs over the mesh."""
-  staged = jax.tree.map(lambda w: w.reshape(S, R, -1, *w.shape[1:]), stacked)
-  specs = jax.tree.map(lambda s: P(s[0], None, None, *s[1:]), nnx.get_partition_spec(stacked))
-  return staged, specs
-
-
-def compiler_axes() -> set[str]:
-  """The mesh axes a pipeline's shard_map (manual over pipe and the batch axes) leaves to the
-  compiler: tensor. Asked outside the shard_map."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return set(mesh.axis_names) - {'pipe', *mesh_axes(logical_spec('batch')[0]),
-                                 *mesh.manual_axes}
-
-
-def batch_split_gatherer(compute_dtype, grad_dtype):
-  """`gather(w, spec)`: inside a shard_map manual over pipe and the batch axes, `w` split
-  over the batch axes (fsdp) as its mesh `spec` says, gathered whole in the compute dtype
-  (`gather_for_compute`), and kept split as `spec` says over the axes left to the compiler
-  (tensor; left to itself, XLA gathers those too). Made outside the shard_map, where the
-  batch axes can be named."""
-  batch_axes = mesh_axes(logical_spec('batch')[0])
-  auto = compiler_axes()
-
-  def gather(w, spec: P):
-    pieces = tuple((dim, axis) for dim, entry in enumerate(spec)
-                   for axis in reversed(mesh_axes(entry)) if axis in batch_axes)
-    return gather_for_compute(w, pieces, keep_axes(spec, auto), jnp.dtype(compute_dtype),
-                              jnp.dtype(grad_dtype))
-  return gather
-
-
 def stage_row_order(a, micro_batches: int):
   """The rows of `a` [B, ...] as `pipeline_layers` returns them: split over pipe, then the
   batch axes, each device holding its stage's M/S micro-batches of its own rows, micro-batch by
@@ -235,40 +136,3 @@ def stage_row_order(a, micro_batches: int):
 
   return jax.shard_map(local, in_specs=P(batch_axes), out_specs=P(('pipe', *batch_axes)),
                        axis_names={'pipe', *batch_axes})(a)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def gather_for_compute(w, pieces, layout, compute_dtype, grad_dtype):
-  """`w` all-gathered over its batch-axis `pieces` [(dimension, axis), ...], moving in
-  `compute_dtype`, each device gathering its own block of the compiler's axes (`layout`). The
-  result keeps w's dtype (holding compute_dtype's values), so the gradients of every pipeline
-  iteration add up in it; their sum is reduce-scattered back once, in `grad_dtype`."""
-  def gather(x):
-    for dim, axis in pieces:
-      x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-    return x
-  return _blockwise(gather, layout)(w.astype(compute_dtype)).astype(w.dtype)
-
-
-def _blockwise(f, layout: P):
-  """`f` on each device's block over the axes still left to the compiler (tensor), split as
-  `layout` says: XLA's partitioner runs a collective over manual axes on the whole of those
-  axes' split (a tensor-split weight would be gathered over fsdp whole, tensor ways larger)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  auto = set(mesh.axis_names) - set(mesh.manual_axes)
-  return jax.shard_map(f, in_specs=layout, out_specs=layout, axis_names=auto, check_vma=False)
-
-
-def _gather_fwd(w, pieces, layout, compute_dtype, grad_dtype):
-  return gather_for_compute(w, pieces, layout, compute_dtype, grad_dtype), None
-
-
-def _gather_bwd(pieces, layout, compute_dtype, grad_dtype, _, g):
-  def scatter(g):
-    for dim, axis in reversed(pieces):
-      g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-    return g
-  return (_blockwise(scatter, layout)(g.astype(grad_dtype)).astype(g.dtype),)
-
-
-gather_for_compute.defvjp(_gather_fwd, _gather_bwd)

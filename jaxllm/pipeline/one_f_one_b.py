@@ -29,11 +29,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.model.transformer import head_loss_sum, scan_blocks
+from jaxllm.parallel.gather import batch_split_gatherer, compiler_axes
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
-from jaxllm.parallel.pipeline import (PipelineSpec, batch_split_gatherer, compiler_axes,
-                                     stage_split)
 from jaxllm.parallel.rules import mesh_axes
-from jaxllm.parallel.ticks import one_f_one_b_ticks
+from jaxllm.pipeline.spec import PipelineSpec, stage_split
+from jaxllm.pipeline.ticks import one_f_one_b_ticks
 
 # Per tick and stage: the forward's item and slot, the backward's item and slot.
 _FIELDS = ('f_item', 'f_slot', 'b_item', 'b_slot')
