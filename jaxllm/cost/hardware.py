@@ -144,8 +144,14 @@ class KernelRates:
     share = (1 - t) * self.memory_curve[i - 1][1] + t * self.memory_curve[i][1]
     return moved / (share * self.memory_bandwidth)
 
-  def attention_rate(self, backward: bool, head_dim: int, length: int, causal: bool) -> float:
-    """FLOP/s of a cuDNN flash attention pass (head dims above 64 take the 128 row)."""
+  def attention_rate(self, backward: bool, head_dim: int, length: int, causal: bool,
+                     window: int = 0) -> float:
+    """FLOP/s of a cuDNN flash attention pass (head dims above 64 take the 128 row). A causal
+    pass with a sliding window of W keys does per query block the work of a causal pass of
+    length 2W (W keys each, where the causal pass averages half its length): it is taken at
+    that length's rate (an assumption; no measurement of windowed kernels is published)."""
+    if causal and window:
+      length = min(length, 2 * window)
     rates = self.attention['backward' if backward else 'forward', 64 if head_dim <= 64 else 128,
                            causal]
     x = math.log2(min(max(length, ATTENTION_LENGTHS[0]), ATTENTION_LENGTHS[-1]) / 512)

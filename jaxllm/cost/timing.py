@@ -167,7 +167,8 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction,
     attention = hlo.attention_kernel(inst, 1, None)
     kernel.category, kernel.flops = 'attention', attention.flops
     kernel.seconds = attention.flops / rates.attention_rate(
-        attention.backward, attention.head_dim, attention.length, 'CAUSAL' in attention.mask)
+        attention.backward, attention.head_dim, attention.length, 'CAUSAL' in attention.mask,
+        attention.window)
     return kernel
   if inst.opcode == 'fusion':
     dots = [hlo.gemm_shape(body, dot) for body, dot in _dots_in(computations, hlo.called(inst))]
@@ -319,24 +320,33 @@ class Simulator:
     return carried
 
   def call(self, inst: hlo.Instruction, streams: Streams, argument, times: int):
-    """A call runs its computation; a conditional, the branch that takes longest."""
-    names = re.findall(r'(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)',
-                       inst.attrs)
-    branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
-    names += re.findall(r'%?([\w.\-]+)', branches.group(1)) if branches else []
-    best = None
-    for name in names:
+    """A call runs its computation. A conditional runs each branch for the share of its
+    executions the branch declares (`hlo.branch_shares`), taking that share of its time;
+    where they declare none, the branch that takes longest."""
+    if inst.opcode != 'conditional':
+      name = re.search(r'to_apply=%?([\w.\-]+)', inst.attrs)
+      return self.run(name.group(1), streams, argument, times) if name else None
+    shares = hlo.branch_shares(self.computations, inst)
+    trials = []
+    for name, share in shares:
       trial = Streams(streams.compute, streams.comm, dict(streams.pending))
       tally, self.tally = self.tally, collections.Counter()
-      carried = self.run(name, trial, argument, times)
+      carried = self.run(name, trial, argument, times * share)
       trial_tally, self.tally = self.tally, tally
-      if best is None or trial.compute > best[0].compute:
-        best = trial, trial_tally, carried
-    if best is None:
+      trials.append((trial, trial_tally, carried, share))
+    if not trials:
       return None
-    trial, tally, carried = best
-    streams.compute, streams.comm, streams.pending = trial.compute, trial.comm, trial.pending
-    self.tally.update(tally)
+    longest, tally, carried, _ = max(trials, key=lambda t: t[0].compute)
+    if all(share == 1 for *_, share in shares):
+      streams.compute, streams.comm, streams.pending = longest.compute, longest.comm, longest.pending
+      self.tally.update(tally)
+      return carried
+    start = (streams.compute, streams.comm)
+    streams.compute += sum(share * (t.compute - start[0]) for t, _, _, share in trials)
+    streams.comm += sum(share * (t.comm - start[1]) for t, _, _, share in trials)
+    streams.pending = longest.pending
+    for _, trial_tally, _, _ in trials:
+      self.tally.update(trial_tally)
     return carried
 
 
