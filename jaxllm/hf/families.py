@@ -19,7 +19,7 @@ import math
 
 from ml_collections import ConfigDict
 
-from jaxllm.config import ConfigError, layer_types
+from jaxllm.config import ConfigError, default_config, layer_types
 
 # model_type → the architecture of its causal LM, as config.json names them.
 FAMILIES = {
@@ -156,14 +156,15 @@ def family_of(m: ConfigDict) -> str:
   ConfigError naming the field where none does. A model with none of the options is a Llama
   (Mistral's later releases, without a window, are too)."""
   sliding = 'sliding' in layer_types(m)
-  gemma = {k: m[k] for k in GEMMA}
-  if m.norm_zero_centered or m.post_norms or m.scale_embeddings or m.mlp_activation != 'silu':
+  defaults = default_config().model
+  gemma_only = [k for k in GEMMA if k not in ('qk_norm', 'qkv_bias') and m[k] != defaults[k]]
+  if gemma_only:
     wrong = [k for k, v in GEMMA.items() if m[k] != v]
     if wrong:
-      raise ConfigError(f'model.{wrong[0]}={m[wrong[0]]!r}: the only family with '
-                        f'{", ".join(f"{k}={v!r}" for k, v in gemma.items() if v == GEMMA[k])} '
-                        f'is Gemma 3, which has {wrong[0]}={GEMMA[wrong[0]]!r}; no Hugging '
-                        'Face architecture computes this model.')
+      raise ConfigError(f'model.{gemma_only[0]}={m[gemma_only[0]]!r} is Gemma 3\'s, which has '
+                        f'{wrong[0]}={GEMMA[wrong[0]]!r} too (model.{wrong[0]}='
+                        f'{m[wrong[0]]!r} here); no Hugging Face architecture computes this '
+                        'model.')
     return 'gemma3_text'
   if m.attention_scale or m.sliding_rope_theta:
     field = 'attention_scale' if m.attention_scale else 'sliding_rope_theta'

@@ -96,8 +96,10 @@ class Attention(nnx.Module):
 
 def layer_rope_frequencies(cfg: ConfigDict, sliding) -> jax.Array:
   """The rotary frequencies of a layer that slides or not (`sliding`, a bool or a traced one)."""
-  if not isinstance(sliding, jax.Array) or not cfg.sliding_rope_theta:
-    return rope_frequencies(cfg, bool(sliding))
+  if not cfg.sliding_rope_theta:  # the same for both
+    return rope_frequencies(cfg)
+  if not isinstance(sliding, jax.Array):
+    return rope_frequencies(cfg, sliding)
   return jnp.where(sliding, rope_frequencies(cfg, True), rope_frequencies(cfg, False))
 
 
