@@ -278,8 +278,8 @@ def default_config() -> ConfigDict:
       async_save=True,     # write in the background while training goes on
   ))
   # Start from the parameters of this checkpoint (a checkpoint dir or one step in it, or
-  # 'hf:DIR', a Hugging Face Llama checkpoint) and fresh optimizer state: fine-tuning.
-  # Ignored when the run has checkpoints of its own.
+  # 'hf:DIR', a Hugging Face checkpoint of a family jaxllm.hf reads) and fresh optimizer state:
+  # fine-tuning. Ignored when the run has checkpoints of its own.
   c.init_from = ''
 
   # Many processes (hosts) as one run, through jax.distributed. Under SLURM, Open MPI or

@@ -59,18 +59,23 @@ EXPECTED = {
 ONE_DEVICE, HEADS_SPLIT = dict(), dict(tensor=2)
 
 
-def save_family(name, directory, dtype=torch.float32):
-  """A tiny random model of family `name`, saved with save_pretrained. Every parameter is
-  perturbed (norm scales around their identity, biases and Gemma's zero-centred scales
-  around 0), so a norm, bias or scale read wrongly moves the logits."""
+def family_model(name, **config):
+  """A tiny random transformers model of family `name` (`config` overriding SHAPES). Every
+  parameter is perturbed (norm scales around their identity, biases and Gemma's
+  zero-centred scales around 0), so a norm, bias or scale read wrongly moves the logits."""
   config_class, model_class, extra = FAMILIES[name]
   torch.manual_seed(0)
-  model = model_class(config_class(**SHAPES, **extra))
+  model = model_class(config_class(**{**SHAPES, **config}, **extra))
   with torch.no_grad():
     for key, p in model.named_parameters():
       identity = 'norm' in key and name != 'gemma3'
       p.copy_(identity + 0.15 * torch.randn_like(p))
-  model = model.to(dtype).eval()
+  return model.eval()
+
+
+def save_family(name, directory, dtype=torch.float32):
+  """`family_model(name)` saved with save_pretrained in `dtype`."""
+  model = family_model(name).to(dtype)
   model.save_pretrained(directory)
   return model
 

@@ -701,3 +701,26 @@ def test_fp8_layer_matmuls_are_cublaslt_fp8_calls_and_gather_fp8(recipe, h100s, 
   assert r['fp8_speedup']['bf16_step_s'] == bf16['step_s']
   assert r['fp8_speedup']['speedup'] == pytest.approx(bf16['step_s'] / r['prediction']['step_s'])
   assert "FP8 (model.fp8='delayed') against bf16" in format_report(r)
+
+
+@pytest.mark.slow
+def test_sliding_and_full_layers_run_their_own_cudnn_kernels(h100s):
+  """Layers that differ (Gemma 3's options, sliding and full in turn, a window of 32 of the
+  128 positions) run a windowed and a full cuDNN flash kernel, each counted for the layers
+  that take it (its branch of the per-layer choice says how many), with the windowed one's
+  FLOPs over the window's band: W·T − W²/2 query-key pairs where causal attention has T²/2.
+  The report names the window."""
+  cfg = tiny(qk_norm=True, mlp_activation='gelu_tanh', norm_zero_centered=True, post_norms=True,
+             scale_embeddings=True, layer_types=('sliding', 'full'), sliding_window=32,
+             sliding_rope_theta=100.0)
+  compiled = compile_step(cfg, h100s)
+  kernels = {(k.target, k.window): k for k in hlo.fused_attention(compiled.text)}
+  assert set(kernels) == {(target, window) for window in (0, 32)
+                          for target in ('__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward')}
+  for k in kernels.values():
+    assert k.flash and k.mask == 'PADDING_CAUSAL' and k.count == 2 and k.length == 128
+  for target in ('__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'):
+    assert kernels[target, 32].flops == kernels[target, 0].flops * (32 * 128 - 32**2 / 2) / (
+        128**2 / 2)
+  text = format_report(report(compiled, H100))
+  assert re.search(r'__cudnn\$fmhaSoftmax +×2 +flash, mask PADDING_CAUSAL, window 32, ', text)

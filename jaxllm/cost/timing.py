@@ -338,7 +338,8 @@ class Simulator:
       return None
     longest, tally, carried, _ = max(trials, key=lambda t: t[0].compute)
     if all(share == 1 for *_, share in shares):
-      streams.compute, streams.comm, streams.pending = longest.compute, longest.comm, longest.pending
+      streams.compute, streams.comm = longest.compute, longest.comm
+      streams.pending = longest.pending
       self.tally.update(tally)
       return carried
     start = (streams.compute, streams.comm)
@@ -392,7 +393,7 @@ LABELS = {'gemm': 'GEMMs', 'attention': 'attention', 'memory': 'memory-bound',
 def summary(t: Timing, top: int = 10) -> dict:
   """A timing as a JSON-ready dict: the step, its categories (`<category>_s`), the
   collectives' total and hidden time, kernel launches, and the `top` kernels."""
-  launches = sum(k.count for k in t.kernels if k.category != 'collective')
+  launches = round(sum(k.count for k in t.kernels if k.category != 'collective'))
   return {'step_s': t.step_s, **{f'{c}_s': t.by_category[c] for c in CATEGORIES},
           'comm_s': t.comm_s, 'hidden_comm_s': t.hidden_comm_s, 'kernel_launches': launches,
           'top_kernels': [{'name': k.name, 'op': k.op, 'category': k.category, 'count': k.count,
