@@ -333,3 +333,33 @@ def test_param_counts_match_each_familys_model(one_device):
     cfg.update(fields)
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     assert param_counts(cfg)['total'] == sum(x.size for x in jax.tree.leaves(abstract)), name
+
+
+def test_a_checkpoint_saved_before_the_family_fields_restores_where_they_are_defaults():
+  """A run's saved config without the fields (saved before they existed) is a Llama's: a
+  Llama run restores it; a model with QK-norm, whose parameters it lacks, is refused naming
+  the field."""
+  from jaxllm.checkpoint import _check_model_shape
+  saved = {'model': {k: v for k, v in default_config().model.items()
+                     if k not in ('qk_norm', 'qkv_bias', 'post_norms')}}
+  _check_model_shape(saved, default_config().model, 'step 1')
+  qwen3 = default_config().model
+  qwen3.qk_norm = True
+  with pytest.raises(ConfigError, match=r'saved with model\.qk_norm=False but this run has '
+                                        r'model\.qk_norm=True'):
+    _check_model_shape(saved, qwen3, 'step 1')
+
+
+def test_fine_tuning_a_checkpoint_needs_its_architecture(family_checkpoint):
+  """A run whose model computes other than the checkpoint's (Gemma's weights read as plain
+  norm scales, say) is stopped naming the field; a different window is only noted."""
+  from jaxllm.hf.config import check_model_matches
+  directory, _ = family_checkpoint('gemma3')
+  model_cfg = hf.model_config(str(directory))
+  model_cfg.norm_zero_centered = False
+  with pytest.raises(ConfigError, match=r'model\.norm_zero_centered=False but the Hugging Face '
+                                        r'checkpoint .* has norm_zero_centered=True'):
+    check_model_matches(str(directory), model_cfg)
+  model_cfg = hf.model_config(str(directory))
+  model_cfg.sliding_window = 2 * WINDOW
+  check_model_matches(str(directory), model_cfg)

@@ -724,3 +724,6 @@ def test_sliding_and_full_layers_run_their_own_cudnn_kernels(h100s):
         128**2 / 2)
   text = format_report(report(compiled, H100))
   assert re.search(r'__cudnn\$fmhaSoftmax +×2 +flash, mask PADDING_CAUSAL, window 32, ', text)
+  # The timing model runs each branch for its layers too, not the longer one for all four.
+  predicted = timing.step_time(compiled.text, H100.rates, 8, timing.node_crossing(8, 8))
+  assert sorted(k.count for k in predicted.kernels if k.category == 'attention') == [2] * 4

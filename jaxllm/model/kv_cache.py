@@ -65,10 +65,9 @@ def cached_attention(q_BTNH, k_BTKH, v_BTKH, cache: LayerCache, window=0,
   query_slots_T = cache.length + jnp.arange(q_BTNH.shape[1])
   mask_B1TS = ((slots_S[None, None, None, :] <= query_slots_T[None, None, :, None]) &
                (slots_S[None, None, None, :] >= cache.start_B[:, None, None, None]))
-  if isinstance(window, jax.Array) or window:
-    # A window of 0 (a full layer among sliding ones) reaches back to slot 0.
-    first_T = query_slots_T - jnp.where(window > 0, window - 1, query_slots_T)
-    mask_B1TS &= slots_S[None, None, None, :] >= first_T[None, None, :, None]
+  if isinstance(window, jax.Array) or window:  # a traced 0: a full layer among sliding ones
+    behind_TS = query_slots_T[:, None] - slots_S[None, :]
+    mask_B1TS &= ((behind_TS < window) | (window == 0))[None, None]
   # XLA's attention takes any mask; the fused cuDNN kernel is for causal training shapes.
   return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS, scale=scale,
                                       implementation='xla')
