@@ -157,3 +157,32 @@ def test_h100_program_runs_the_kernels_without_dense_expansion():
   costs = [gmt.call_cost(kernel.name, [dims for _, dims in kernel.operands],
                          kernel.result[0][1], 2) for kernel in kernels.values()]
   assert sum(flops for flops, _ in costs) == useful
+
+
+@pytest.mark.skipif(not backends.cuda_plugin_installed(),
+                    reason='needs JAX\'s CUDA plugin: pip install -e ".[dev]"')
+def test_h100_kernels_inside_a_checking_shard_map():
+  """Inside a `shard_map` that checks how values vary over its axes, the kernels' results vary
+  as their inputs do, and a weight the same on both devices gets its gradient summed over
+  them: an all-reduce of dw's shape. (Compiled for 2 H100s: Pallas' interpreter, which the
+  CPU runs, cannot run inside such a `shard_map` in jax 0.10.)"""
+  rows, k, n, groups = 256, 64, 32, 4
+  mesh = jax.sharding.Mesh(np.array(backends.gpu_devices(PROFILES['h100-nvlink'], 2)),
+                           ('fsdp',), axis_types=(jax.sharding.AxisType.Explicit,))
+  P = jax.sharding.PartitionSpec
+  specs = (P('fsdp'), P(), P('fsdp'))
+  args = [jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+          for (shape, dtype), spec in zip((((2 * rows, k), jnp.bfloat16),
+                                           ((groups, k, n), jnp.bfloat16),
+                                           ((2 * groups,), jnp.int32)), specs)]
+
+  def loss(x_MK, w_GKN, group_sizes_G):
+    out = jax.shard_map(lambda x, w, sizes: grouped_matmul(x, w, sizes, 'triton'), mesh=mesh,
+                        in_specs=specs, out_specs=P('fsdp'), check_vma=True)(
+                            x_MK, w_GKN, group_sizes_G)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+  assert sorted(kernel.name for kernel in hlo.triton_kernels(text)) == sorted(gmt.KERNELS)
+  sums = [c for c in hlo.collectives(text, {'fsdp': 2}, cpu=False) if c.kind == 'all-reduce']
+  assert any(c.bytes_per_call >= groups * k * n * 2 for c in sums), sums

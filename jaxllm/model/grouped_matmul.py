@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import jax
 
-from jaxllm.model import grouped_matmul_triton
-
 IMPLEMENTATIONS = ('xla', 'triton')
 
 
@@ -24,6 +22,9 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, implementation: str = 'xla'):
   if implementation == 'xla':
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
   if implementation == 'triton':
+    # Imported on first use: Pallas' Triton lowering takes about half a second to import,
+    # which runs on 'xla' (or without experts) should not pay.
+    from jaxllm.model import grouped_matmul_triton
     return grouped_matmul_triton.grouped_matmul(x_MK, w_GKN, group_sizes_G)
   raise ValueError(f'grouped_matmul: unknown implementation {implementation!r}; use one of '
                    f'{", ".join(IMPLEMENTATIONS)}.')

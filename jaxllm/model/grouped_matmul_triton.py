@@ -177,7 +177,7 @@ def _ragged_rows(a_MC, w, group_sizes_G, tiles: Tiles, interpret: bool | None,
   kernel = functools.partial(_ragged_rows_kernel, block_m=block_m, block_c=block_c,
                              block_o=block_o, transpose_w=transpose_w)
   call = lambda interpret: pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((rows, cols), a_MC.dtype),
+      kernel, out_shape=_result((rows, cols), a_MC.dtype, a_MC),
       grid=(pl.cdiv(cols, block_o), schedule[0].shape[0]),
       compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps,
                                            num_stages=tiles.num_stages),
@@ -221,13 +221,30 @@ def _weight_grad(x_MK, dy_MN, group_sizes_G, tiles: Tiles, interpret: bool | Non
   kernel = functools.partial(_weight_grad_kernel, block_m=tiles.block_m,
                              block_k=tiles.block_k, block_n=tiles.block_n)
   call = lambda interpret: pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((groups, k, n), dtype),
+      kernel, out_shape=_result((groups, k, n), dtype, x_MK),
       grid=(pl.cdiv(k, tiles.block_k), pl.cdiv(n, tiles.block_n), groups),
       compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps,
                                            num_stages=tiles.num_stages),
       interpret=interpret, name=WEIGHT_GRAD,
   )(lo_G, hi_G, x_MK, dy_MN)
   return _on_platform(call, interpret)
+
+
+def _result(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """A kernel's result type: varying over the manual mesh axes its input `like` varies over
+  (inside a `shard_map` that checks how values vary, a kernel must say so)."""
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
+def _varying_alike(*arrays):
+  """`arrays`, each made to vary over every manual mesh axis any of them varies over, so the
+  kernels' inputs and results agree (outside a `shard_map`: unchanged). A weight that is the
+  same on every device of such an axis gets its gradient summed over them (the transpose of
+  the cast)."""
+  varying = lambda a: jax.typeof(a).manual_axis_type.varying
+  axes = frozenset().union(*map(varying, arrays))
+  return [jax.lax.pcast(a, tuple(sorted(axes - varying(a))), to='varying')
+          if axes - varying(a) else a for a in arrays]
 
 
 def _on_platform(call, interpret: bool | None):
@@ -267,7 +284,7 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, plan: Plan | None = None):
   rows, k = x_MK.shape
   groups, _, n = w_GKN.shape
   plan = plan or choose_plan(rows, k, n, groups, dtype)
-  return _grouped_matmul(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), plan)
+  return _grouped_matmul(*_varying_alike(x_MK, w_GKN, group_sizes_G.astype(jnp.int32)), plan)
 
 
 def kernel_cost(name: str, rows: int, k: int, n: int, groups: int, itemsize: int
