@@ -117,6 +117,26 @@ def test_row_schedule_writes_each_row_once(case):
   np.testing.assert_array_equal(writes, 1)
 
 
+def test_triton_kernels_are_read_past_their_ir():
+  """A Pallas-Triton custom call as a compiled program prints it: the kernel's name, grid and
+  shapes, read around the Triton module its backend config embeds (an escaped string)."""
+  text = '\n'.join([
+      'ENTRY %main (x: bf16[64,32], w: bf16[4,32,16]) -> bf16[64,16] {',
+      '  %x = bf16[64,32]{1,0} parameter(0)',
+      '  %w = bf16[4,32,16]{2,1,0} parameter(1)',
+      '  ROOT %pallas_call.1 = bf16[64,16]{1,0} custom-call(%x, %w), '
+      'custom_call_target="__gpu$xla.gpu.triton", '
+      'operand_layout_constraints={bf16[64,32]{1,0}, bf16[4,32,16]{2,1,0}}, '
+      'backend_config={debug = false, grid_x = 1 : i32, grid_y = 8 : i32, grid_z = 1 : i32, '
+      r'ir = "ML\EFR\22 name = \22decoy\22, grid_y = 99 \\", '
+      'name = "grouped_matmul_forward", num_stages = 4 : i32, num_warps = 4 : i32}',
+      '}'])
+  [kernel] = hlo.triton_kernels(text)
+  assert (kernel.name, kernel.count, kernel.grid) == ('grouped_matmul_forward', 1, (1, 8, 1))
+  assert kernel.operands == [('bf16', (64, 32)), ('bf16', (4, 32, 16))]
+  assert kernel.result == [('bf16', (64, 16))]
+
+
 @pytest.mark.skipif(not backends.cuda_plugin_installed(),
                     reason='needs JAX\'s CUDA plugin: pip install -e ".[dev]"')
 def test_h100_program_runs_the_kernels_without_dense_expansion():

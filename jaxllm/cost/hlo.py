@@ -556,9 +556,6 @@ class TritonKernel:
 
 
 TRITON_TARGET = 'custom_call_target="__gpu$xla.gpu.triton"'
-# The backend config is an attribute dictionary holding the Triton module as an escaped string
-# (`ir = "..."`), which is cut out before its other fields are read.
-TRITON_IR = re.compile(r'\bir = "(?:[^"\\]|\\.)*"')
 
 
 def triton_kernels(hlo_text: str) -> list[TritonKernel]:
@@ -569,7 +566,10 @@ def triton_kernels(hlo_text: str) -> list[TritonKernel]:
     for inst in insts.values() if counts.get(comp) else ():
       if inst.opcode != 'custom-call' or TRITON_TARGET not in inst.attrs:
         continue
-      config = TRITON_IR.sub('', inst.attrs)
+      # The backend config's fields are in name order (debug, grid_*, ir, name, num_*); the
+      # Triton module in `ir` is a string whose quotes are escaped (\22), so `name = "` and
+      # the grid's fields read plainly around it.
+      config = inst.attrs
       name = re.search(r'\bname = "([^"]*)"', config)
       grid = [re.search(rf'\bgrid_{axis} = (\d+)', config) for axis in 'xyz']
       start = config.find('operand_layout_constraints=')
