@@ -13,8 +13,7 @@ call's `name`, `KERNELS`):
 Products accumulate in fp32 and come out in the inputs' dtype. On NVIDIA GPUs the kernels are
 Triton; on any other platform (the CPU) the same kernels run in Pallas' interpreter, slowly:
 that is how they are tested without a GPU. The interpreter cannot run inside a `shard_map` that
-checks how values vary (check_vma=True) in jax 0.10; Triton can. Offsets are int32: an
-operand must hold fewer than 2³¹ elements.
+checks how values vary (check_vma=True) in jax 0.10; Triton can.
 """
 
 from __future__ import annotations
