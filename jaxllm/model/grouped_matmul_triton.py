@@ -58,7 +58,7 @@ def _block(size: int, most: int) -> int:
   return max(16, min(most, pl.next_power_of_2(size)))
 
 
-def rows_block(rows: int, groups: int) -> int:
+def _rows_block(rows: int, groups: int) -> int:
   """Row tile of the ragged-row kernels. A group edge inside a tile costs one more visit of
   that tile (up to `groups` extra tiles in all), so tiles shrink when groups are short: 128
   from 512 rows a group on average, 64 from 128, else 32."""
@@ -72,7 +72,7 @@ def choose_plan(rows: int, k: int, n: int, groups: int, dtype) -> Plan:
   may take). Heuristics, not tuned on a device."""
   step = 64 if jnp.dtype(dtype).itemsize <= 2 else 32
   stages = 4
-  block_m = rows_block(rows, groups)
+  block_m = _rows_block(rows, groups)
   return Plan(
       forward=Tiles(block_m, _block(k, step), _block(n, 128), num_stages=stages),
       input_grad=Tiles(block_m, _block(k, 128), _block(n, step), num_stages=stages),
