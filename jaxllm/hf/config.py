@@ -60,7 +60,7 @@ def model_config(path: str) -> ConfigDict:
   are float32 either way, so that fine-tuning's small updates are not rounded away."""
   hf = read_hf_config(path)
   req = lambda key: _required(hf, key, path)
-  heads = int(req('num_attention_heads'))
+  heads, layers = int(req('num_attention_heads')), int(req('num_hidden_layers'))
   head_dim = int(hf.get('head_dim') or req('hidden_size') // heads)
   stored = hf.get('torch_dtype') or hf.get('dtype') or 'float32'
   dtype = 'bfloat16' if stored == 'bfloat16' else 'float32'
@@ -70,7 +70,7 @@ def model_config(path: str) -> ConfigDict:
   cfg.update(
       vocab_size=int(req('vocab_size')),
       embed_dim=int(req('hidden_size')),
-      num_layers=int(req('num_hidden_layers')),
+      num_layers=layers,
       num_heads=heads,
       num_kv_heads=int(hf.get('num_key_value_heads') or heads),
       head_dim=head_dim,
