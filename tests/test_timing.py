@@ -189,3 +189,89 @@ def test_memory_kernels_move_only_what_they_touch():
   assert moved == {'u': 2 * row + index, 't': row + row // 2 + index}  # f32 row; bf16 row out
   assert t.by_category['memory'] == pytest.approx(
       RATES.memory_seconds(2 * row + index) + RATES.memory_seconds(1.5 * row + index))
+
+
+# --- what the model once left untimed ----------------------------------------------------
+
+def test_a_loop_of_unknown_trip_count_is_named_as_timed_once():
+  entry = f"""  %a = bf16[{N},{N}]{{1,0}} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[{N},{N}]{{1,0}}) tuple(%zero, %a)
+  %loop = (s32[], bf16[{N},{N}]{{1,0}}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[{N},{N}]{{1,0}} get-tuple-element(%loop), index=1"""
+  t = step(program(entry, LOOP))
+  assert [k.count for k in t.kernels] == [1]
+  assert t.untimed == ['while loop %loop: trip count unknown, its body timed once']
+
+
+SEND_RECV = ('frontend_attributes={_xla_send_recv_source_target_pairs='
+             '{{0,1},{1,2},{2,3},{3,0}}}')
+
+
+def test_send_and_recv_are_timed_as_one_transfer_each_way():
+  """A pipeline's point-to-point pair: the send's bytes go out while the recv's come in, on
+  their own links, so the pair takes one transfer's time; the kernels between hide it."""
+  entry = f"""  %a = bf16[{N},{N}]{{1,0}} parameter(0)
+  %token = token[] after-all()
+  %recv = (bf16[{N},{N}]{{1,0}}, u32[], token[]) recv(%token), channel_id=1, {SEND_RECV}
+  %send = (bf16[{N},{N}]{{1,0}}, u32[], token[]) send(%a, %token), channel_id=2, {SEND_RECV}
+  %k1 = bf16[{N},{N}]{{1,0}} fusion(%a, %a), kind=kCustom, calls=%gemm
+  %recv-done = (bf16[{N},{N}]{{1,0}}, token[]) recv-done(%recv), channel_id=1
+  %got = bf16[{N},{N}]{{1,0}} get-tuple-element(%recv-done), index=0
+  %send-done = token[] send-done(%send), channel_id=2
+  ROOT %k2 = bf16[{N},{N}]{{1,0}} fusion(%got, %a), kind=kCustom, calls=%gemm"""
+  t = step(program(entry), devices=4)
+  sent = 10e-6 + N * N * 2 / 275e9  # over one link, at the two-GPU all-gather's rate
+  assert {k.name: k.category for k in t.kernels} == {
+      'recv': 'collective', 'send': 'collective', 'k1': 'gemm', 'k2': 'gemm'}
+  assert t.comm_s == pytest.approx(2 * sent)  # each way
+  assert sent > GEMM_BESIDE_NCCL + LAUNCH
+  assert t.step_s == pytest.approx(LAUNCH + sent + GEMM + LAUNCH)
+
+
+@pytest.mark.parametrize('kind, bandwidth, sent', [
+    ('collective-broadcast', 352e9, N * N * 2),           # the root's bytes reach every device
+    ('ragged-all-to-all', 340e9, 7 / 8 * N * N * 2)],    # at most its whole output, 7/8 of it sent
+    ids=['collective-broadcast', 'ragged-all-to-all'])
+def test_broadcasts_and_ragged_all_to_alls_are_collectives(kind, bandwidth, sent):
+  group = ','.join(str(i) for i in range(8))
+  operands = ('%a' if kind == 'collective-broadcast' else
+              '%a, %out, %offsets, %sizes, %offsets, %sizes')
+  entry = f"""  %a = bf16[{N},{N}]{{1,0}} parameter(0)
+  %out = bf16[{N},{N}]{{1,0}} parameter(1)
+  %offsets = s64[8]{{0}} parameter(2)
+  %sizes = s64[8]{{0}} parameter(3)
+  %x = bf16[{N},{N}]{{1,0}} {kind}({operands}), channel_id=1, replica_groups={{{{{group}}}}}
+  ROOT %k = bf16[{N},{N}]{{1,0}} fusion(%x, %a), kind=kCustom, calls=%gemm"""
+  t = step(program(entry))
+  moved = 10e-6 + sent / bandwidth
+  assert [k.category for k in t.kernels] == ['collective', 'gemm']
+  assert t.comm_s == pytest.approx(moved)
+  assert t.step_s == pytest.approx(moved + GEMM + LAUNCH)  # synchronous: nothing beside it
+
+
+BRANCHES = f"""
+%wait (p: (bf16[128,{N}], bf16[{N},{N}])) -> bf16[{N},{N}] {{
+  %p = (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}}) parameter(0)
+  %w = bf16[{N},{N}]{{1,0}} all-gather-done(%p)
+  ROOT %g = bf16[{N},{N}]{{1,0}} fusion(%w, %w), kind=kCustom, calls=%gemm
+}}
+
+%skip (q: (bf16[128,{N}], bf16[{N},{N}])) -> bf16[{N},{N}] {{
+  %q = (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}}) parameter(0)
+  %v = bf16[{N},{N}]{{1,0}} all-gather-done(%q)
+  ROOT %c = bf16[{N},{N}]{{1,0}} copy(%v)
+}}
+"""
+
+
+def test_a_collective_started_outside_a_conditional_is_waited_for_inside():
+  entry = f"""  %pred = pred[] parameter(0)
+  %w = bf16[128,{N}]{{1,0}} parameter(1)
+  %ag = (bf16[128,{N}]{{1,0}}, bf16[{N},{N}]{{1,0}}) all-gather-start(%w), channel_id=1, replica_groups={{{{0,1,2,3,4,5,6,7}}}}, dimensions={{0}}, use_global_device_ids=true
+  ROOT %r = bf16[{N},{N}]{{1,0}} conditional(%pred, %ag, %ag), true_computation=%wait, false_computation=%skip"""
+  t = step(program(entry, BRANCHES))
+  gathered = 10e-6 + 7 / 8 * N * N * 2 / 352e9
+  # The longer branch: it waits for the gather, then multiplies.
+  assert t.step_s == pytest.approx(gathered + GEMM + LAUNCH)
+  assert t.by_category['exposed_comm'] == pytest.approx(gathered)
