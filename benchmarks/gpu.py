@@ -31,7 +31,7 @@ from absl import flags
 from ml_collections import ConfigDict
 
 import plain_llama  # benchmarks/ is on the path when this runs as a script
-from timing import time_steps, timed
+from timing import benchmark_config, time_steps, timed
 from jaxllm import metrics
 from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
@@ -58,17 +58,6 @@ _KEEP_DATA = flags.DEFINE_bool('keep-data', False, "Use the config's data, not a
 # First-step losses of jaxllm and the plain step must agree this closely; bf16 compute
 # leaves the order of roundings to each compiled program.
 LOSS_RTOL = {'float32': 1e-4, 'bfloat16': 1e-2}
-
-
-def benchmark_config(cfg: ConfigDict, keep_data: bool) -> ConfigDict:
-  """The config as benchmarked: no evaluation, no checkpoints; a synthetic batch by default
-  (it costs no input time, and every step sees the same shapes)."""
-  cfg = copy.deepcopy(cfg)
-  cfg.eval.every = 0
-  cfg.checkpoint.dir = ''
-  if not keep_data:
-    cfg.data.source = 'synthetic'
-  return cfg
 
 
 def device_peak_bytes(device) -> int | None:

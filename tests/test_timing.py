@@ -4,6 +4,7 @@ the kernels between their start and done and exposed for the rest, GEMMs beside 
 SMs NCCL leaves. (On compiled programs: test_gpu_program and test_analyze.)"""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -387,3 +388,71 @@ def test_a_custom_call_is_timed_by_its_registered_cost(monkeypatch):
   quarter = 2 * N**3 / 4 / RATES.gemm_rate('bf16xbf16->bf16', 1, N // 4, N, N)
   assert [(k.category, k.flops) for k in t.kernels] == [('gemm', 2 * N**3)]
   assert t.by_category['gemm'] == pytest.approx(4 * quarter)
+
+
+# --- against a profile: the trace read and joined to the prediction ----------------------
+
+def test_a_trace_s_kernels_join_the_prediction_of_the_same_instructions(tmp_path):
+  """A CPU trace of a program with a loop: every kernel the model times is found in the
+  trace under its instruction's name, as often per step as the model runs it (the loop body
+  three times), nothing in the trace is left over, and the GEMMs are GEMMs in both."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxllm.cost import trace
+
+  def loss(x, w):
+    y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=3)
+    return (y * 2 + 1).sum()
+
+  x, w = jnp.ones((128, 128)), jnp.full((128, 128), 0.01)
+  compiled = jax.jit(jax.grad(loss)).lower(x, w).compile()
+  text = compiled.as_text()
+  compiled(x, w).block_until_ready()
+  jax.profiler.start_trace(str(tmp_path))
+  for _ in range(2):
+    out = compiled(x, w)
+  out.block_until_ready()
+  jax.profiler.stop_trace()
+
+  measured = trace.read(str(tmp_path), trace.module_name(text), trace.containers(text))
+  predicted = timing.step_time(text, RATES, 1, timing.node_crossing(8, 1))
+  c = trace.compare(predicted, measured, steps=2)
+  assert {r.name for r in c.rows} == {k.name for k in predicted.kernels}  # all joined
+  assert all(r.measured_count == r.predicted_count and r.measured_s > 0 for r in c.rows)
+  loop = [r for r in c.rows if '/while/body/' in r.op]
+  assert loop and {r.predicted_count for r in loop} == {3}
+  gemms = {r.name for r in c.rows if r.category == 'gemm'}
+  assert len(gemms) == 2  # the forward's matmul and the backward's (x's gradient is not asked)
+  assert c.measured['gemm'] == pytest.approx(
+      sum(sum(measured.durations[n]) for n in gemms) / 2)
+  assert 0 <= c.measured['gaps'] < c.measured_step_s
+  text_table = trace.format_comparison(c, top=3)
+  for label in trace.LABELS.values():
+    assert re.search(rf'^{label} +[\d,.]+ +[\d,.]+ ', text_table, re.M), text_table
+  assert 'predicted but not in the trace 0 (0.000 ms); in the trace but launching nothing to ' \
+         'the model 0 (0.000 ms)' in text_table
+  assert len(re.findall(r'^  +[\d,.]+ +[\d,.]+ +[\d.]+ +\d+/\d+ ', text_table, re.M)) == 3
+
+
+@pytest.mark.slow
+def test_the_kernel_check_runs_end_to_end_on_a_cpu_trace(tmp_path):
+  """benchmarks/kernels.py as a user runs it: the tiny model's step traced on a CPU device,
+  every kernel of it joined to the model's prediction."""
+  import subprocess
+  import sys
+
+  from conftest import REPO
+  result = subprocess.run(
+      [sys.executable, 'benchmarks/kernels.py', '--config', 'configs/tiny.py',
+       '--config.cpu_devices=1', '--config.mesh.data=1', '--config.mesh.fsdp=1',
+       '--config.mesh.tensor=1', '--steps', '2', '--warmup', '1', '--trace-dir',
+       str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert re.search(r'^2 steps of jit_train_step on 1 × cpu traced into ', out, re.M), out
+  joined = re.search(r'^joined (\d+) instructions; predicted but not in the trace 0 ', out, re.M)
+  assert joined and int(joined[1]) > 50, out
+  for label in ('GEMMs', 'memory-bound', 'gaps between kernels'):
+    assert re.search(rf'^{label} +[\d,.]+ +[\d,.]+ ', out, re.M), out
+  assert len(re.findall(r'^  +[\d,.]+ +[\d,.]+ +[\d.–]+ +[\d.]+/[\d.]+ ', out, re.M)) == 10, out
