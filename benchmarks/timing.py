@@ -1,5 +1,6 @@
 """Timing a compiled train step: warm-up, then timed steps with one host sync at the end."""
 
+import contextlib
 import copy
 import itertools
 import time
@@ -21,26 +22,36 @@ def benchmark_config(cfg: ConfigDict, keep_data: bool) -> ConfigDict:
   return cfg
 
 
-def timed(step, state, batches, steps: int, warmup: int):
-  """Calls the compiled `step(state, batch) -> (state, metrics)` `warmup` times, then `steps`
-  times with no host sync until the end. Returns seconds per timed step and the first step's
-  metrics (on the host)."""
+def timed(step, state, batches, steps: int, warmup: int, warmup_s: float = 0.0,
+          during=contextlib.nullcontext):
+  """Calls the compiled `step(state, batch) -> (state, metrics)` `warmup` times, and on until
+  `warmup_s` seconds have passed (a GPU's clocks settle under load), then `steps` times inside
+  the context `during()` with no host sync until the end. Returns seconds per timed step and
+  the first step's metrics (on the host)."""
   first = None
-  for _ in range(warmup):
+  start, done = time.perf_counter(), 0
+  while done < warmup or time.perf_counter() - start < warmup_s:
     state, step_metrics = step(state, next(batches))
     first = step_metrics if first is None else first
+    done += 1
+    if warmup_s:
+      jax.block_until_ready(state)  # the time the device ran, not the host's dispatch
   jax.block_until_ready(state)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, step_metrics = step(state, next(batches))
-    first = step_metrics if first is None else first
-  jax.block_until_ready((state, step_metrics))  # the only host sync of the timed steps
-  return (time.perf_counter() - start) / steps, jax.device_get(first)
+  with during():
+    start = time.perf_counter()
+    for _ in range(steps):
+      state, step_metrics = step(state, next(batches))
+      first = step_metrics if first is None else first
+    jax.block_until_ready((state, step_metrics))  # the only host sync of the timed steps
+    seconds = time.perf_counter() - start
+  return seconds / steps, jax.device_get(first)
 
 
-def time_steps(run, steps: int, warmup: int, first_batch=None):
+def time_steps(run, steps: int, warmup: int, first_batch=None, warmup_s: float = 0.0,
+               during=contextlib.nullcontext):
   """Compiles `run`'s step ahead of time (as `jaxllm.train` does) on its first batch (default:
-  the next of `run.batches`), runs `warmup` steps, then times `steps` steps.
+  the next of `run.batches`), warms it up (`timed`'s `warmup` and `warmup_s`), then times
+  `steps` steps inside `during()`.
 
   Returns seconds per step, compile seconds, the compiled step and the first step's metrics.
   """
@@ -50,5 +61,6 @@ def time_steps(run, steps: int, warmup: int, first_batch=None):
     compiled = run.train_step.lower(run.state, first_batch).compile()
   compile_s = time.perf_counter() - start
   batches = itertools.chain([first_batch], run.batches)
-  step_s, first = timed(compiled, run.state, batches, steps, warmup)  # donates run.state
+  step_s, first = timed(compiled, run.state, batches, steps, warmup, warmup_s,
+                        during)  # donates run.state
   return step_s, compile_s, compiled, first
