@@ -79,7 +79,6 @@ class Gpu:
 # Sustained, every GEMM and attention kernel runs at these shares of its burst rate (f32 GEMMs
 # at bf16's); memory-bound kernels keep theirs (HBM has its own clock).
 SUSTAINED = {'bf16': 708.5 / 841.9, 'f8': 1288.7 / 1491.9}
-CLOCKS = ('sustained', 'burst')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,9 +274,9 @@ def _interpolate(table, point: list[float]) -> float:
 #   (HOPPER_MEMORY_CURVE; 0.948 at the largest);
 # - launches: 1 µs between two kernels, XLA's estimate (gpu_performance_model_base.h,
 #   kKernelLaunchOverhead); outside command buffers the host launches each kernel, 5 µs each:
-#   XLA's earlier estimate of a kernel launch (gpu_performance_model.cc, 2023, before command
-#   buffers), beside a measured 2.6-2.8 µs for the CUDA call alone (cudaLaunchKernel enqueue,
-#   CUDA 13; ahrefs/ocannl issue 488);
+#   XLA's earlier estimate of a kernel's launch (gpu_performance_model.cc of 2023), beside a
+#   measured 2.6-2.8 µs for the CUDA call alone (cudaLaunchKernel's enqueue, CUDA 13;
+#   ahrefs/ocannl issue 488) before XLA's own work per kernel;
 # - 16 of the 132 SMs held by NCCL while a collective runs: NCCL's CTAs never share an SM with
 #   compute, and NCCL uses 16 SMs on a DGX with 8 NICs (NVIDIA/nccl issue 689, its maintainer);
 #   one NCCL kernel alone kept 15% of an H100's SMs busy (issue 1432). Compute beside NCCL runs

@@ -21,8 +21,8 @@ previous collective is done) and the compute stream waits at its done: it is hid
 kernels the schedule put between the two and exposed for the rest. A synchronous one stops
 both. While a collective runs, NCCL holds some of the SMs: GEMMs and attention beside it run
 on the rest, slower (`contention`). Each kernel leaves a gap behind it (`launch`); without
-command buffers the host launches every kernel itself, and a kernel shorter than that launch
-waits for the next one to be launched.
+command buffers the host launches every kernel itself, one after another, and after kernels
+shorter than a launch the GPU waits for the next one (`launch` too).
 
 What this leaves out: contention for memory bandwidth, autotuning's choice of GEMM kernel (a
 deviceless compile does not autotune: the table's measured rate stands for the kernel a run
