@@ -36,7 +36,7 @@ from absl import flags
 from ml_collections import ConfigDict
 
 import plain_llama  # benchmarks/ is on the path when this runs as a script
-from timing import benchmark_config, time_steps, timed
+from timing import benchmark_config, settle_seconds, time_steps, timed
 from jaxllm import metrics
 from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
@@ -65,12 +65,6 @@ _KEEP_DATA = flags.DEFINE_bool('keep-data', False, "Use the config's data, not a
 # First-step losses of jaxllm and the plain step must agree this closely; bf16 compute
 # leaves the order of roundings to each compiled program.
 LOSS_RTOL = {'float32': 1e-4, 'bfloat16': 1e-2}
-
-
-# How long a GPU's clock takes to settle under load, by stas00/ml-engineering's measurements
-# (branch fast-mamf, compute/accelerator/benchmarks/README.md: a thermal soak of up to 20 s
-# before its sustained matmul figures, a whole search ~40-60 s): a minute, to be safe.
-GPU_WARMUP_S = 60.0
 
 
 class Clocks:
@@ -121,11 +115,6 @@ class Clocks:
             f'{len(mhz)} samples while timed')
 
 
-def warmup_seconds(device) -> float:
-  return _WARMUP_S.value if _WARMUP_S.value >= 0 else (
-      GPU_WARMUP_S if device.platform == 'gpu' else 0.0)
-
-
 def device_peak_bytes(device) -> int | None:
   stats = device.memory_stats()  # None on a CPU
   return stats.get('peak_bytes_in_use') if stats else None
@@ -135,7 +124,8 @@ def time_jaxllm(run, first_batch, steps: int, warmup: int) -> dict:
   device = run.mesh.devices.flat[0]
   clocks = Clocks(device)
   step_s, compile_s, compiled, first = time_steps(run, steps, warmup, first_batch,
-                                                  warmup_seconds(device), lambda: clocks)
+                                                  settle_seconds(_WARMUP_S.value, device),
+                                                  lambda: clocks)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
           'compiled_peak': report.peak_bytes(compiled), 'clocks': clocks.text()}
 
@@ -158,7 +148,8 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
   batches = itertools.chain([first_batch], run.batches)
   clocks = Clocks(run.mesh.devices.flat[0])
   step_s, first = timed(state_step, (params, opt_state), batches, steps, warmup,
-                        warmup_seconds(run.mesh.devices.flat[0]), lambda: clocks)
+                        settle_seconds(_WARMUP_S.value, run.mesh.devices.flat[0]),
+                        lambda: clocks)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
           'compiled_peak': report.peak_bytes(compiled), 'clocks': clocks.text()}
 

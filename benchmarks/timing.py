@@ -11,6 +11,20 @@ from ml_collections import ConfigDict
 from jaxllm.parallel.mesh import sharding_context
 
 
+# How long a GPU's clock takes to settle under full load, from its boost clock to what its
+# power limit sustains: stas00/ml-engineering soaks for up to 20 s before measuring sustained
+# matmul rates (branch fast-mamf, compute/accelerator/benchmarks/README.md); a minute, to be
+# sure.
+GPU_WARMUP_S = 60.0
+
+
+def settle_seconds(requested: float, device) -> float:
+  """`requested` seconds of warm-up; by default (negative) a minute on a GPU, none elsewhere."""
+  if requested >= 0:
+    return requested
+  return GPU_WARMUP_S if device.platform == 'gpu' else 0.0
+
+
 def benchmark_config(cfg: ConfigDict, keep_data: bool) -> ConfigDict:
   """The config as benchmarked: no evaluation, no checkpoints; a synthetic batch by default
   (it costs no input time, and every step sees the same shapes)."""
