@@ -456,3 +456,23 @@ def test_the_kernel_check_runs_end_to_end_on_a_cpu_trace(tmp_path):
   for label in ('GEMMs', 'memory-bound', 'gaps between kernels'):
     assert re.search(rf'^{label} +[\d,.]+ +[\d,.]+ ', out, re.M), out
   assert len(re.findall(r'^  +[\d,.]+ +[\d,.]+ +[\d.–]+ +[\d.]+/[\d.]+ ', out, re.M)) == 10, out
+
+
+def test_a_program_written_out_with_its_flags_is_predicted_with_them():
+  """`benchmarks/maxtext.py` writes a program after a line of the flags it was compiled with;
+  `analyze --hlo` reads them (command buffers off here), and the rest of the program alike."""
+  from jaxllm.cost import hlo, report
+  text = program(gather())
+  flagged = f'{hlo.FLAGS_LINE}--xla_gpu_enable_command_buffer= --xla_gpu_enable_triton_gemm=false\n{text}'
+  assert hlo.written_flags(text) == ''
+  plain, off = (report.program_report(t, PROFILES['h100-nvlink'], 8, 8)['prediction']
+                for t in (text, flagged))
+  assert plain['assumes']['command_buffers'] and not off['assumes']['command_buffers']
+  assert off['gemm_s'] == plain['gemm_s'] and off['kernel_launches'] == 2
+  # The host launches the gather (5 µs), then the first GEMM (10 µs): the GEMM starts late,
+  # and less of it runs beside the gather; the host has launched the second GEMM by its turn.
+  host, gathered = 5e-6, 10e-6 + 7 / 8 * N * N * 2 / 352e9
+  beside = (host + gathered - 2 * host) * SHARE  # the first GEMM's work done beside it
+  first = host + gathered + GEMM - beside
+  assert off['step_s'] == pytest.approx(first + LAUNCH + GEMM + LAUNCH)
+  assert off['launch_s'] == pytest.approx(2 * host + 2 * LAUNCH)

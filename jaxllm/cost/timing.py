@@ -317,14 +317,15 @@ class Simulator:
                                      self.crosses)
     return self.transfers[key]
 
-  def launch(self, streams: Streams, times: int) -> float:
+  def launch(self, streams: Streams, times: int, compute: bool = True) -> float:
     """When the next kernel may start: at once from a command buffer; else once the host,
-    launching one kernel after another, has launched it (the GPU waits if it is ahead)."""
+    launching one kernel after another, has launched it. The compute stream's wait for it is
+    booked to `launch` (a collective's kernel waits on its own stream)."""
     if self.rates.command_buffers:
       return streams.compute
     streams.host += self.rates.host_launch_s
     if streams.host > streams.compute:
-      self.host_waits += (streams.host - streams.compute) * times
+      self.host_waits += (streams.host - streams.compute) * times if compute else 0.0
       return streams.host
     return streams.compute
 
@@ -370,7 +371,7 @@ class Simulator:
             streams.compute = max(streams.compute, streams.pending.pop(i))
       elif (t := self.transfer(comp, inst)) is not None:
         self.tally[comp, inst.name] += times
-        issued = self.launch(streams, times)
+        issued = self.launch(streams, times, compute=False)
         carried[inst.name] = next(self.ids)
         if t.kind == 'recv':  # arrives as the peer's send goes, beside this device's own
           streams.pending[carried[inst.name]] = issued + t.seconds
