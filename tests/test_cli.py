@@ -204,6 +204,12 @@ BAD_INPUTS = {
     'zero_stage': (['--config.sharding.zero=3'], 'sharding.zero'),
     'negative_lr': (['--config.optim.lr=-1.0'], 'optim.lr'),  # trained by gradient ascent
     'lr_schedule': (['--config.optim.schedule=step'], 'optim.schedule'),
+    # one mesh axis on two dimensions of a weight ([embed, mlp]) or of an activation
+    # ([batch, seq, act_mlp])
+    'one_axis_on_two_weight_dimensions': (["--config.sharding.rules.mlp=('fsdp',)"],
+                                          "sharding.rules.mlp=('fsdp',)"),
+    'one_axis_on_two_activation_dimensions': (["--config.sharding.rules.act_mlp=('fsdp',)"],
+                                              "sharding.rules.act_mlp=('fsdp',)"),
 }
 
 
