@@ -300,10 +300,7 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
   log = metrics.MetricsLog(workdir, cfg, enabled=metrics.is_logging_process())
   log.info(describe(cfg, run.mesh, run.layout, run.pipeline, run.batches))
   log.info(f'state    {run.origin}')
-  if workdir and metrics.is_logging_process():
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(cfg.to_json(indent=2))
+  if workdir:
     log.info(f'workdir  {workdir}')
 
   first = int(state.step) + 1

@@ -130,6 +130,29 @@ def test_a_tensorboard_dir_that_cannot_be_written_is_a_config_error(tmp_path):
   assert sorted(os.listdir(workdir)) == ['tensorboard']
 
 
+def test_a_workdir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capfd):
+  """--workdir under a file, with checkpoint.dir elsewhere (so the checkpoints' own check
+  passes): one line naming --workdir, where opening metrics.jsonl raised; nothing written."""
+  (tmp_path / 'a_file').write_text('kept')
+  workdir = tmp_path / 'a_file' / 'run'
+  monkeypatch.chdir(REPO)
+  monkeypatch.setattr(sys, 'argv', ['jaxllm-train', '--config', 'configs/tiny.py',
+                                    f'--workdir={workdir}',
+                                    f'--config.checkpoint.dir={tmp_path}/checkpoints',
+                                    '--config.data.source=synthetic', '--config.eval.every=0',
+                                    '--config.model.num_layers=1',
+                                    '--config.distributed.num_processes=1',
+                                    '--config.compilation_cache='])
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
+  with pytest.raises(SystemExit) as stopped:
+    train.cli()
+  err = capfd.readouterr().err
+  assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1, err
+  assert err.startswith(f'error: --workdir={workdir}: cannot write there (')
+  assert 'point --workdir at a directory you can write to' in err
+  assert (tmp_path / 'a_file').read_text() == 'kept' and os.listdir(tmp_path / 'checkpoints') == []
+
+
 def test_tiny_config_fine_tunes_on_conversations_with_every_extra_split(tmp_path):
   """data.format='chat' (the byte tokenizer with a ChatML template file; the loss on the
   assistant's replies only, test_chat.py checks which tokens) with one K/V head over
