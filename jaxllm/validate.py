@@ -209,7 +209,8 @@ def _validate_collective_matmul(cfg: ConfigDict) -> None:
 def _validate_optim(o: ConfigDict, train_steps: int) -> None:
   """Each optimizer field in its meaningful range (NaN and inf fail too): a negative lr would
   train by gradient ascent, a negative weight decay would grow the weights. 'wsd' decays over
-  the last updates of `train_steps`: warmup must end before that decay begins."""
+  the last updates of `train_steps`: warmup must end before that decay begins. (A warmup
+  longer than the run is no error: the run warms up over all of it, `optim.warmup_steps()`.)"""
   _choice(o.schedule, 'optim.schedule', SCHEDULES)
   _choice(o.state_dtype, 'optim.state_dtype', DTYPES)
   ranges = {'lr': ('> 0', lambda v: v > 0), 'eps': ('> 0', lambda v: v > 0),
@@ -224,10 +225,6 @@ def _validate_optim(o: ConfigDict, train_steps: int) -> None:
   for field in ('warmup_steps', 'decay_steps'):
     if o[field] < 0:
       raise ConfigError(f'optim.{field}={o[field]} must be at least 0.')
-  if o.warmup_steps > train_steps:  # the lr would never reach optim.lr
-    raise ConfigError(f'optim.warmup_steps={o.warmup_steps} is longer than the run '
-                      f'(train.steps={train_steps}), so the lr never reaches optim.lr; lower '
-                      'optim.warmup_steps or raise train.steps.')
   # As `jaxllm.optim.lr_schedule` takes it: past it, wsd would start the decay after warmup
   # and end the run part-way down it, not at lr·min_lr_ratio.
   decay = o.decay_steps or max(train_steps // 5, 1)
