@@ -20,10 +20,11 @@ def lr_schedule(cfg: ConfigDict, train_steps: int) -> optax.Schedule:
   """The lr of each update, given how many came before it (optax's count, `state.step`).
 
   Update s = 1, 2, … takes lr·s/W during the W = `warmup_steps` (`warmup_steps()`: shortened
-  to a shorter run; update W takes the peak), then `schedule`: 'constant' stays at lr; 'cosine' and 'linear' fall to lr·min_lr_ratio over
-  the D = `decay_steps` updates after warmup (0: the rest of `train_steps`) and stay there;
-  'wsd' (warmup-stable-decay) holds lr until the last D updates (0: the last fifth of
-  `train_steps`) and falls linearly to lr·min_lr_ratio on the last one."""
+  to a shorter run; update W takes the peak), then `schedule`: 'constant' stays at lr;
+  'cosine' and 'linear' fall to lr·min_lr_ratio over the D = `decay_steps` updates after
+  warmup (0: the rest of `train_steps`) and stay there; 'wsd' (warmup-stable-decay) holds lr
+  until the last D updates (0: the last fifth of `train_steps`) and falls linearly to
+  lr·min_lr_ratio on the last one."""
   lr, final, warmup = cfg.lr, cfg.lr * cfg.min_lr_ratio, warmup_steps(cfg, train_steps)
   if cfg.schedule == 'wsd':
     decay = cfg.decay_steps or max(train_steps // 5, 1)
