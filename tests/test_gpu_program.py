@@ -425,14 +425,16 @@ def test_analyze_json_and_dump_show_the_gpu_program(tmp_path, tiny_program):
       (k['seconds'] for k in top), reverse=True)
   assert {k['category'] for k in top} <= {'gemm', 'attention', 'memory', 'collective'}
   # Any program's HLO text, read back as `analyze --hlo` reads it (the command itself:
-  # test_readme), is predicted the same, on one node of 8 or on two of 4: there the data
-  # axis's collectives cross between nodes, which `--hlo` finds from the device numbers in
-  # the program's groups and `analyze` from the mesh and mesh.across_hosts.
+  # test_readme), is predicted the same, on one node of 8 or on two of 4: there the
+  # collectives over data (alone or with fsdp) cross between nodes, which `--hlo` finds from
+  # the device numbers in the program's groups and `analyze` from the mesh and its
+  # mesh.across_hosts.
   text = (dump / 'program.hlo.txt').read_text()
   assert program_report(text, H100, 8, 8)['prediction']['step_s'] == pytest.approx(pr['step_s'])
   two_nodes = dataclasses.replace(H100, devices_per_node=4)
   across = report(tiny_program, two_nodes)
-  assert {tuple(c['axes']) for c in across['collectives'] if c['crosses_nodes']} == {('data',)}
+  crossing = {tuple(c['axes']) for c in across['collectives'] if c['crosses_nodes']}
+  assert crossing and all('data' in axes for axes in crossing)
   assert program_report(text, two_nodes, 8, 4)['prediction']['step_s'] == pytest.approx(
       across['prediction']['step_s'])
   assert across['prediction']['exposed_comm_s'] > pr['exposed_comm_s']  # InfiniBand is slower
@@ -493,8 +495,8 @@ def test_embedding_table_is_never_gathered(tiny_program):
   V, D = m.vocab_size, m.embed_dim
   with_vocab = {a for a in collective_arrays(tiny_program.text)
                 if {V, V // 2} & set(map(int, a[a.index('[') + 1:-1].split(',')))}
-  assert with_vocab == {f'bf16[{D // 2},{V // 2}]', f'bf16[{D // 2},{V}]', f'bf16[{D},{V}]',
-                        f'f32[{D},{V // 2}]', f'f32[{D},{V}]', f'f32[{D // 2},{V}]'}
+  assert with_vocab == {f'bf16[{D // 2},{V}]', f'bf16[{D},{V}]', f'f32[{D},{V}]',
+                        f'f32[{D // 2},{V}]'}
   assert fsdp_dtypes(tiny_program, 'all-to-all') == {'bf16'}
 
 
