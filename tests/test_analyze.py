@@ -2,9 +2,11 @@
 (the CPU compiler's program and the GPU's), memory against the shardings, the HLO reader, the
 big-config path, the ranking, and bad input. More of the GPU's program: test_gpu_program."""
 
+import dataclasses
 import math
 import re
 import sys
+import types
 
 import jax
 import pytest
@@ -21,6 +23,7 @@ from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
 from jaxllm.cost.tune import (Space, candidates, factorisations, format_table,
                                pipeline_text, rank)
+from jaxllm.train import setup
 
 H100 = PROFILES['h100-nvlink']
 
@@ -268,9 +271,9 @@ def test_analyze_prints_a_verdict_for_llama3_8b_on_64_devices():
   assert '8,030.26M total' in result.stdout
 
 
-def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
+def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config, monkeypatch):
   """On 4 devices (every candidate is a compile): each of the 10 meshes with 1 micro-batch,
-  none with 3, which do not divide the 16 rows."""
+  none with 3, which do not divide the 16 rows. `measure` times the best two's own steps."""
   devices = jax.devices()[:4]
   rows, skipped = rank(tiny_config, H100, Space(('none',), (1, 3)), devices)
   steps = [r['step_s'] for r in rows]
@@ -283,7 +286,55 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
   # no schedules asked for: the config's, gpipe, where there is a pipeline
   assert {(r['mesh']['pipe'] > 1, r['pipeline']) for r in rows} == {(False, '-'), (True, 'gpipe')}
   for row in rows[:2]:
-    assert tune.measure(row['config'], steps=1, devices=devices) > 0
+    seconds, run, ran, drawn = measure_on_a_clock(row['config'], 3, devices, monkeypatch)
+    # per timed step, the two warm-ups and the compile left out; each timed step on a batch
+    # of its own (the warm-ups rerun the first); the candidate's own mesh and settings
+    assert seconds == pytest.approx(STEP) and (ran, drawn) == (2 + 3, 1 + 3)
+    assert dict(run.mesh.shape) == row['mesh'] and run.cfg.to_dict() == row['config'].to_dict()
+
+
+STEP = 0.25  # seconds of `measure_on_a_clock`'s clock a train step takes
+
+
+def measure_on_a_clock(cfg, steps, devices, monkeypatch):
+  """`tune.measure(cfg, steps, devices)` on a clock that stands still but for the calls of the
+  compiled train step, each STEP seconds (the steps themselves run). Returns the seconds it
+  measured, the run it set up, how many steps it ran and how many batches it drew."""
+  clock, ran, drawn, runs = [0.0], [], [], []
+
+  class Clocked:
+    """The run's jitted step, compiled as it is, each call of the program taking STEP."""
+
+    def __init__(self, jitted):
+      self.jitted = jitted
+
+    def lower(self, *args):
+      lowered = self.jitted.lower(*args)
+
+      def compile():
+        program = lowered.compile()
+
+        def call(state, batch):
+          ran.append(1)
+          clock[0] += STEP
+          return program(state, batch)
+        return call
+      return types.SimpleNamespace(compile=compile)
+
+  def counted(batches):
+    for batch in batches:
+      drawn.append(1)
+      yield batch
+
+  def clocked_setup(c, devices):
+    runs.append(setup(c, devices))
+    return dataclasses.replace(runs[-1], train_step=Clocked(runs[-1].train_step),
+                               batches=counted(runs[-1].batches))
+
+  monkeypatch.setattr(tune, 'setup', clocked_setup)
+  monkeypatch.setattr(tune, 'time', types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  seconds = tune.measure(cfg, steps=steps, devices=devices)
+  return seconds, runs[0], len(ran), len(drawn)
 
 
 def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
