@@ -37,7 +37,8 @@ from test_hf import RULES, hf_logits, mesh_of, our_logits, save_hf_model
 README = os.path.join(REPO, 'README.md')
 TIMEOUT = 600
 # Overrides that only shorten a run: the only flags appended to a README command. A run
-# shorter than its warmup is refused (validate.py), so a shortened run's warmup is cut with it.
+# shorter than its warmup warms up over the run with a note; a shortened run's warmup is cut
+# with it (to what the run would take), which leaves the note out.
 SHORTEN = ('--config.train.steps=', '--config.optim.warmup_steps=', '--config.checkpoint.every=',
            '--config.eval.every=')
 TINY_STEPS = 12  # the README's profile traces steps 10–12
