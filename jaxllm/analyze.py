@@ -34,7 +34,8 @@ from jaxllm.cost.report import (format_program_report, format_report, program_re
 
 DEVICES = flags.DEFINE_integer(
     'devices', 0, 'Analyse for this many devices (default: the mesh\'s size when no axis is -1, '
-    'else one node of the profile; with --compiler=cpu, the devices present).')
+    'else one node of the profile; with --compiler=cpu, the devices present; with --hlo, those '
+    'the program was compiled for, which a --devices given must equal).')
 HARDWARE = flags.DEFINE_string('hardware', 'h100-nvlink',
                                 f'Hardware profile: {", ".join(PROFILES)}.')
 DEVICE_MEMORY = flags.DEFINE_float('device-memory', 0.0,
