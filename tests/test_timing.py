@@ -458,13 +458,19 @@ def test_the_kernel_check_runs_end_to_end_on_a_cpu_trace(tmp_path):
   assert len(re.findall(r'^  +[\d,.]+ +[\d,.]+ +[\d.–]+ +[\d.]+/[\d.]+ ', out, re.M)) == 10, out
 
 
-def test_a_program_written_out_with_its_flags_is_predicted_with_them():
+def test_a_program_written_out_with_its_flags_is_predicted_with_them(tmp_path):
   """`benchmarks/maxtext.py` writes a program after a line of the flags it was compiled with;
   `analyze --hlo` reads them (command buffers off here), and the rest of the program alike."""
+  from jaxllm import analyze
   from jaxllm.cost import hlo, report
-  text = program(gather())
+  text = program(gather()).replace('HloModule m,', 'HloModule m, num_partitions=8,')
   flagged = f'{hlo.FLAGS_LINE}--xla_gpu_enable_command_buffer= --xla_gpu_enable_triton_gemm=false\n{text}'
-  assert hlo.written_flags(text) == ''
+  (tmp_path / 'program.hlo.txt').write_text(flagged)
+  assert analyze.read_hlo_flags(['analyze', '--hlo', str(tmp_path / 'program.hlo.txt')])[::2] == (
+      flagged, 8)
+  assert hlo.written_flags(text) == ('', text)
+  assert hlo.written_flags(flagged) == (
+      '--xla_gpu_enable_command_buffer= --xla_gpu_enable_triton_gemm=false', text)
   plain, off = (report.program_report(t, PROFILES['h100-nvlink'], 8, 8)['prediction']
                 for t in (text, flagged))
   assert plain['assumes']['command_buffers'] and not off['assumes']['command_buffers']

@@ -110,9 +110,13 @@ def _parse_instruction(line: str) -> Instruction | None:
 FLAGS_LINE = '// XLA_FLAGS: '
 
 
-def written_flags(text: str) -> str:
-  """The XLA flags a program's text was written out with (`FLAGS_LINE`), or ''."""
-  return text[len(FLAGS_LINE):text.find('\n')] if text.startswith(FLAGS_LINE) else ''
+def written_flags(text: str) -> tuple[str, str]:
+  """The XLA flags a program's text was written out with (`FLAGS_LINE`; '' without), and the
+  module's own text after them."""
+  if not text.startswith(FLAGS_LINE):
+    return '', text
+  line, _, module = text.partition('\n')
+  return line[len(FLAGS_LINE):], module
 
 
 def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:

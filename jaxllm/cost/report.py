@@ -308,7 +308,7 @@ def program_report(text: str, hardware: Hardware, devices: int, devices_per_node
     row['bytes'] += x.bytes
   attention = sum(k.count * k.flops for k in hlo.fused_attention(text))
   flops = hlo.dot_flops(text) + attention
-  rates = hardware.rates.for_flags(hlo.written_flags(text))
+  rates = hardware.rates.for_flags(hlo.written_flags(text)[0])
   prediction = timing.summary(timing.step_time(text, rates, devices, crosses))
   prediction['flops_per_s_per_device'] = flops / prediction['step_s']
   prediction['assumes'] = rates.assumptions()
