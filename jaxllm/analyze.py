@@ -27,6 +27,7 @@ from absl import flags
 from jaxllm.backends import gpu_devices, start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import MESH_AXES, ConfigError
+from jaxllm.cost import hlo
 from jaxllm.cost.compile import Compiled, compile_step
 from jaxllm.cost.hardware import PROFILES, hardware_profile
 from jaxllm.cost.report import (format_program_report, format_report, program_report,
@@ -124,13 +125,14 @@ def read_hlo_flags(argv: list[str]) -> tuple[str, object, int, int]:
       text = f.read()
   except OSError as e:
     raise ConfigError(f'--hlo {_HLO.value}: {e.strerror.lower()}; pass an HLO text file.') from None
-  if not text.startswith('HloModule '):
+  _, module = hlo.written_flags(text)  # a first line of flags (benchmarks/maxtext.py's)
+  if not module.startswith('HloModule '):
     raise ConfigError(f'--hlo {_HLO.value}: not an HLO module in text form (no HloModule line); '
                       'pass a *after_optimizations.txt file of --xla_dump_to.')
-  if cut_short(text):
+  if cut_short(module):
     raise ConfigError(f'--hlo {_HLO.value}: the module ends before its ENTRY computation does; '
                       'pass the whole file (a dump still being written is cut short).')
-  devices = program_devices(text)
+  devices = program_devices(module)
   if DEVICES.present and DEVICES.value != devices:
     raise ConfigError(f'--devices={DEVICES.value}, but the program was compiled for {devices} '
                       'devices (num_partitions × replica_count in its HloModule line); leave '
