@@ -56,7 +56,8 @@ EXPECTED = {
                    layer_types=('sliding', 'sliding', 'full'), sliding_window=WINDOW,
                    rope_theta=1e6, sliding_rope_theta=1e4, tie_embeddings=True),
 }
-ONE_DEVICE, HEADS_SPLIT = dict(), dict(tensor=2)
+# One device, and the heads split over tensor (in the full suite: its compiles are slow).
+MESHES_OF_HEADS = [dict(), pytest.param(dict(tensor=2), marks=pytest.mark.slow)]
 
 
 def family_model(name, **config):
@@ -97,7 +98,7 @@ def tokens(batch=2, length=4 * WINDOW, seed=0):
   return np.random.default_rng(seed).integers(0, VOCAB, (batch, length))
 
 
-@pytest.mark.parametrize('mesh', [ONE_DEVICE, HEADS_SPLIT], ids=['one_device', 'tensor2'])
+@pytest.mark.parametrize('mesh', MESHES_OF_HEADS, ids=['one_device', 'tensor2'])
 @pytest.mark.parametrize('name', FAMILIES)
 def test_logits_equal_transformers(name, mesh, family_checkpoint):
   """fp32 logits as transformers computes them; and the family's window, where it has one,
@@ -116,7 +117,7 @@ def test_logits_equal_transformers(name, mesh, family_checkpoint):
     assert np.abs(our_logits(unwindowed, params, mesh, tokens()) - want).max() > 1e-2
 
 
-@pytest.mark.parametrize('mesh', [ONE_DEVICE, HEADS_SPLIT], ids=['one_device', 'tensor2'])
+@pytest.mark.parametrize('mesh', MESHES_OF_HEADS, ids=['one_device', 'tensor2'])
 @pytest.mark.parametrize('name', FAMILIES)
 def test_greedy_generation_equals_transformers_past_the_window(name, mesh, family_checkpoint):
   """Prompts of two lengths in one batch (left-padded), each decoded greedily for 5 windows
@@ -216,14 +217,17 @@ MODELS = {
     'gemma3': GEMMA,
 }
 CONTEXT_PARALLEL = dict(batch=('data',), seq=('fsdp',))
-MESHES = {  # family, mesh, rules, pipeline, remat
-    'qwen3_data2_fsdp2_tensor2': ('qwen3', dict(data=2, fsdp=2, tensor=2), {}, {}, 'none'),
-    'qwen2_fsdp4_tensor2_remat': ('qwen2', dict(fsdp=4, tensor=2), {}, {}, 'dots_except_mlp'),
-    'mistral_context_parallel': ('mistral', dict(fsdp=4, tensor=2), CONTEXT_PARALLEL, {}, 'none'),
+MESHES = {  # family, mesh, rules, pipeline, remat, (ZeRO stage, micro-batches)
+    'qwen3_data2_fsdp2_tensor2_zero2': ('qwen3', dict(data=2, fsdp=2, tensor=2), {}, {}, 'none',
+                                        (2, 2)),
+    'qwen2_fsdp4_tensor2_remat': ('qwen2', dict(fsdp=4, tensor=2), {}, {}, 'dots_except_mlp',
+                                  (0, 1)),
+    'mistral_context_parallel': ('mistral', dict(fsdp=4, tensor=2), CONTEXT_PARALLEL, {}, 'none',
+                                 (0, 1)),
     'gemma3_circular': ('gemma3', dict(data=2, pipe=2, tensor=2), {},
-                        dict(schedule='circular', repeats=2), 'full'),
+                        dict(schedule='circular', repeats=2), 'full', (0, 1)),
     'gemma3_interleaved_1f1b': ('gemma3', dict(data=2, pipe=2, tensor=2), {},
-                                dict(schedule='interleaved_1f1b', repeats=2), 'none'),
+                                dict(schedule='interleaved_1f1b', repeats=2), 'none', (1, 1)),
 }
 
 
@@ -251,13 +255,16 @@ def family_gradients(short_documents):
 @pytest.mark.slow
 @pytest.mark.parametrize('case', MESHES)
 def test_each_family_on_a_mesh_equals_one_device(case, short_documents, family_gradients):
-  """Loss and every gradient tensor of the first step within 1e-5 (fp32) of one device's."""
-  name, mesh, rules, pipeline, remat = MESHES[case]
+  """Loss and every gradient tensor of the first step within 1e-5 (fp32) of one device's
+  (ZeRO's reduce-scattered gradients gathered back)."""
+  name, mesh, rules, pipeline, remat, (zero, micro_batches) = MESHES[case]
   ref_loss, ref_grads = family_gradients(name)
   cfg = family_config(short_documents, name, **mesh)
   cfg.sharding.rules.update(rules)
+  cfg.sharding.zero = zero
   cfg.pipeline.update(pipeline)
   cfg.model.remat = remat
+  cfg.train.micro_batches = micro_batches
   loss, grads = step_gradients(cfg)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for got, want in paired_leaves(grads, ref_grads):
@@ -333,6 +340,33 @@ def test_param_counts_match_each_familys_model(one_device):
     cfg.update(fields)
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     assert param_counts(cfg)['total'] == sum(x.size for x in jax.tree.leaves(abstract)), name
+
+
+def test_model_flops_count_each_layers_window():
+  """Attention FLOPs per token by layer: a sliding layer whose window W is a quarter of the
+  row counts W keys per query where a full layer counts T, and under the causal convention
+  the band's W − W²/2T where a full layer counts T/2 (the mask's query-key pairs, counted
+  here from a T×T mask); a window as long as the row is a full layer. The dense part is
+  6 × the parameters either way."""
+  from jaxllm.metrics import flops_per_token, param_counts
+  T, W = 64, 16
+  cfg = small_config().model
+  cfg.update(layer_types=('sliding', 'sliding', 'full'), sliding_window=W)  # 3 sliding, 1 full
+  full = small_config().model
+  per_layer = 12 * cfg.num_heads * cfg.head_dim
+  dense = 6 * param_counts(cfg)['flops']
+  assert dense == 6 * param_counts(full)['flops']
+  behind_TT = np.arange(T)[:, None] - np.arange(T)[None, :]
+  # The masks' query-key pairs less what they hold beyond the convention's continuous count
+  # of them (W·T − W²/2 and T²/2): W/2 and T/2.
+  band_pairs = ((behind_TT >= 0) & (behind_TT < W)).sum() - W / 2
+  causal_pairs = (behind_TT >= 0).sum() - T / 2
+  got, plain = flops_per_token(cfg, T), flops_per_token(full, T)
+  assert got['full'] - dense == per_layer * (3 * W + T)
+  assert got['causal'] - dense == pytest.approx(per_layer * (3 * band_pairs + causal_pairs) / T)
+  assert plain['causal'] - dense == per_layer * 4 * T / 2
+  cfg.sliding_window = T
+  assert flops_per_token(cfg, T) == plain
 
 
 def test_a_checkpoint_saved_before_the_family_fields_restores_where_they_are_defaults():
