@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import paired_leaves, text_config
+from conftest import once_per_run, paired_leaves, text_config
 from jaxllm.config import ConfigError
 from jaxllm.model import fp8
 from jaxllm.pipeline.spec import from_stage_order
@@ -118,15 +118,18 @@ def fp8_config(corpus, recipe, **mesh):
 @pytest.fixture(scope='module')
 def one_device_fp8(corpus):
   """Per recipe, the one-device FP8 run's losses and state; and FP8's own noise on this run:
-  the most either recipe's rounding moves a step's loss from the same run without FP8."""
-  _, plain = train(fp8_config(corpus, 'none'), devices=jax.devices()[:1])
-  plain = np.array([row['loss'] for row in plain])
-  runs = {}
-  for recipe in ('delayed', 'current'):
-    state, history = train(fp8_config(corpus, recipe), devices=jax.devices()[:1])
-    runs[recipe] = np.array([row['loss'] for row in history]), jax.device_get(state)
-  noise = max(np.abs(losses - plain).max() for losses, _ in runs.values())
-  return runs, noise
+  the most either recipe's rounding moves a step's loss from the same run without FP8. Made
+  once per test run."""
+  def runs_and_noise():
+    _, plain = train(fp8_config(corpus, 'none'), devices=jax.devices()[:1])
+    plain = np.array([row['loss'] for row in plain])
+    runs = {}
+    for recipe in ('delayed', 'current'):
+      state, history = train(fp8_config(corpus, recipe), devices=jax.devices()[:1])
+      runs[recipe] = np.array([row['loss'] for row in history]), jax.device_get(state)
+    noise = max(np.abs(losses - plain).max() for losses, _ in runs.values())
+    return runs, noise
+  return once_per_run('one_device_fp8', runs_and_noise)
 
 
 CASES = {  # id: (recipe, mesh, other fields): both recipes on every axis, and delayed scaling
