@@ -43,7 +43,7 @@ RUN_DIR = os.environ['JAXLLM_TEST_RUN_DIR']
 os.environ['XDG_CACHE_HOME'] = os.path.join(RUN_DIR, 'cache')
 # Programs this process compiles for its CPU devices (train(), setup(), compile_step) are kept
 # there too and read back by every other process of the run; those compiled for GPUs that are
-# not there are left out (`backends.use_compilation_cache`).
+# not there are left out (`backends.compiling_for`).
 use_compilation_cache('auto')
 
 from jaxllm.cost import hlo  # noqa: E402
@@ -287,7 +287,8 @@ def run_main(argv: list[str], cwd=REPO) -> subprocess.CompletedProcess:
     for m in patched:
       m.start_backends = backends.start_backends
     sys.argv = argv_kept
-    os.environ.clear()
+    for key in set(os.environ) - set(env):
+      del os.environ[key]
     os.environ.update(env)
     absl_logging.set_verbosity(verbosity)
     flags.FLAGS.unparse_flags()
