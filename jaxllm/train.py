@@ -26,7 +26,7 @@ from jaxllm.backends import (compiler_options, counting_cache_hits, start_backen
                              use_compilation_cache)
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
 from jaxllm.cli import main_guard, parse_command_line
-from jaxllm.config import TrainingError
+from jaxllm.config import TrainingError, default_config
 from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.model import fp8, with_available_attention
 from jaxllm.optim import make_optimizer
@@ -81,6 +81,9 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
       if axes and all(mesh_shape[a] == 1 for a in axes):
         print(f'note: sharding.rules.{name}={axes} splits the sequence over axes of size 1: '
               'nothing is split.')
+    unused = _pipeline_settings(cfg.pipeline) if mesh_shape['pipe'] == 1 else ''
+    if unused:
+      print(f'note: mesh.pipe=1 runs no pipeline, so these settings do nothing: {unused}.')
   mesh = make_mesh(mesh_shape, devices, cfg.mesh.across_hosts)
   batches = make_batches(cfg, mesh)
   eval_batches = make_eval_batches(cfg, mesh) if cfg.eval.every else None
@@ -99,6 +102,12 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
                        compiler_options=options)
   return Run(cfg, mesh, layout, graphdef, state, origin, train_step, batches, eval_batches,
              pipeline, checkpoints)
+
+
+def _pipeline_settings(pipeline: ConfigDict) -> str:
+  """The pipeline.* fields set away from their defaults, as `pipeline.a=v, ...`; '' if none."""
+  defaults = default_config().pipeline
+  return ', '.join(f'pipeline.{k}={v!r}' for k, v in pipeline.items() if v != defaults[k])
 
 
 def _initial_state(cfg: ConfigDict, mesh, layout: Layout, tx, pipeline: PipelineSpec | None,

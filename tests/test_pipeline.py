@@ -10,11 +10,12 @@ from flax import nnx
 
 from conftest import (assert_params_close, model_on, paired_leaves, small_config,
                       step_gradients, text_config)
+from jaxllm.config import ConfigError
 from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.pipeline.gpipe import pipeline_layers
 from jaxllm.pipeline.spec import PipelineSpec, to_stage_order
 from jaxllm.train import setup, train
-from jaxllm.validate import resolve_mesh
+from jaxllm.validate import resolve_mesh, validate
 
 LAYERS = 8
 
@@ -165,6 +166,41 @@ def test_each_device_holds_only_its_stage():
   assert 'collective-permute' in hlo
   gathered = re.findall(r'= f32\[(\d+),[\d,]*\][^\n]*? all-gather', hlo)
   assert '6' not in gathered, 'a whole layer stack was all-gathered across pipe'
+
+
+@pytest.mark.parametrize('rules,message', [
+    # every stage would run stage 0's blocks: the others' gradients 0.0, the loss still falling
+    (dict(layers=()), "sharding.rules.layers=(): mesh.pipe=2 cuts the layer stack into stages "
+                      "over 'pipe', so the layers rule must be ('pipe',) alone"),
+    (dict(layers=('fsdp',)), "sharding.rules.layers=('fsdp',): mesh.pipe=2"),
+    (dict(layers=('pipe', 'fsdp')), "sharding.rules.layers=('pipe', 'fsdp'): mesh.pipe=2"),
+    # the head's vocabulary split by hand over the stages: a NaN loss
+    (dict(vocab=('pipe',)), "sharding.rules.vocab=('pipe',) names 'pipe', which the pipeline "
+                            "(mesh.pipe=2) keeps for the stages of the layer stack"),
+])
+def test_a_pipeline_takes_the_layers_rule_on_pipe_alone(rules, message):
+  """A run refuses, in one line, a rules table that would pipeline the wrong blocks; without
+  a pipeline the same rules are the user's to choose."""
+  cfg = small_config(pipe=2, data=2, fsdp=2)
+  cfg.train.global_batch = 16
+  cfg.sharding.rules.update(rules)
+  with pytest.raises(ConfigError) as error:
+    setup(cfg)
+  assert message in str(error.value) and '\n' not in str(error.value)
+  cfg.mesh.update(pipe=1, data=4)
+  validate(cfg, dict(cfg.mesh))
+
+
+def test_pipeline_settings_without_a_pipeline_are_a_note(capsys):
+  """pipeline.* on mesh.pipe=1 change nothing: the run says which, and trains unpipelined."""
+  cfg = small_config(data=2)
+  cfg.pipeline.update(schedule='1f1b', microbatches=4)
+  run = setup(cfg, jax.devices()[:2])
+  assert run.pipeline is None
+  assert ("note: mesh.pipe=1 runs no pipeline, so these settings do nothing: "
+          "pipeline.microbatches=4, pipeline.schedule='1f1b'.") in capsys.readouterr().out
+  setup(small_config(data=2), jax.devices()[:2])
+  assert 'pipeline' not in capsys.readouterr().out
 
 
 def loop_collectives(hlo: str) -> set[str]:
