@@ -97,7 +97,7 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   state, origin = _initial_state(cfg, mesh, layout, tx, pipeline, abstract, shardings,
                                  checkpoints, batches)
   step = train_step_for(cfg, graphdef, tx, pipeline)
-  options = compiler_options(cfg.model, mesh.devices.flat[0].platform)
+  options = compiler_options(cfg.model, mesh.devices.flat[0].platform, pipeline is not None)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None),
                        compiler_options=options)
   return Run(cfg, mesh, layout, graphdef, state, origin, train_step, batches, eval_batches,
@@ -366,7 +366,8 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
   eval_step = jax.jit(
       lambda params, fp8_scales, batch: loss_terms(run.graphdef, params, batch, run.pipeline,
                                                    fp8_scales=fp8_scales)[1],
-      compiler_options=compiler_options(cfg.model, run.mesh.devices.flat[0].platform))
+      compiler_options=compiler_options(cfg.model, run.mesh.devices.flat[0].platform,
+                                        run.pipeline is not None))
 
   batch = next(run.batches)
   start = time.perf_counter()

@@ -156,7 +156,8 @@ def step_gradients(cfg, devices=None):
                          run.pipeline)
   with sharding_context(run.mesh, run.layout.rules):
     state = TrainState(run.state.step, run.state.params, keep.init(run.state.params))
-    options = compiler_options(cfg.model, run.mesh.devices.flat[0].platform)
+    options = compiler_options(cfg.model, run.mesh.devices.flat[0].platform,
+                               run.pipeline is not None)
     new_state, metrics = jax.jit(step, compiler_options=options)(state, next(run.batches))
   grads = jax.device_get(new_state.opt_state)
   if run.pipeline:

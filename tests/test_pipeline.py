@@ -11,6 +11,7 @@ from flax import nnx
 from conftest import (assert_params_close, model_on, paired_leaves, small_config,
                       step_gradients, text_config)
 from jaxllm.config import ConfigError
+from jaxllm.cost import hlo
 from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.pipeline.gpipe import pipeline_layers
 from jaxllm.pipeline.spec import PipelineSpec, to_stage_order
@@ -162,10 +163,13 @@ def test_each_device_holds_only_its_stage():
   # Matrices split 8 ways; the norm scales only 2 ways (pipe), so allow a little more.
   assert stack_bytes / 8 <= per_device <= stack_bytes / 8 * 1.05
   with sharding_context(run.mesh, run.layout.rules):
-    hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
-  assert 'collective-permute' in hlo
-  gathered = re.findall(r'= f32\[(\d+),[\d,]*\][^\n]*? all-gather', hlo)
-  assert '6' not in gathered, 'a whole layer stack was all-gathered across pipe'
+    text = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
+  found = hlo.collectives(text, dict(run.mesh.shape), cpu=True)
+  assert any(c.kind == 'collective-permute' and c.axes == ('pipe',) for c in found)
+  # Each stage gathers its own weights over fsdp; none gathers another stage's over pipe.
+  gathers = [c for c in found if c.kind == 'all-gather']
+  assert any(c.axes == ('fsdp',) for c in gathers), gathers
+  assert not [c for c in gathers if 'pipe' in c.axes], 'a layer stack was gathered across pipe'
 
 
 @pytest.mark.parametrize('rules,message', [
@@ -203,11 +207,11 @@ def test_pipeline_settings_without_a_pipeline_are_a_note(capsys):
   assert 'pipeline' not in capsys.readouterr().out
 
 
-def loop_collectives(hlo: str) -> set[str]:
+def loop_collectives(text: str) -> set[str]:
   """Kinds of collective inside while-loop bodies of a compiled HLO module."""
-  bodies = set(re.findall(r'body=%?([\w.\-]+)', hlo))
+  bodies = set(re.findall(r'body=%?([\w.\-]+)', text))
   found, current = set(), None
-  for line in hlo.splitlines():
+  for line in text.splitlines():
     header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
     if header:
       current = header.group(1)
@@ -230,5 +234,5 @@ def test_batch_axis_traffic_is_once_per_step(gather, in_loops):
   cfg.pipeline.gather_weights = gather
   run = setup(cfg)
   with sharding_context(run.mesh, run.layout.rules):
-    hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
-  assert loop_collectives(hlo) == in_loops
+    text = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
+  assert loop_collectives(text) == in_loops
