@@ -309,9 +309,9 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
 
 def _validate_pipe_rules(rules: ConfigDict, stages: int) -> None:
   """A pipeline cuts the layer stack into stages over 'pipe': the layers rule must name 'pipe'
-  and nothing else, and no other rule 'pipe'. Otherwise each stage would run the blocks of
-  another (layers=(): every stage stage 0's, the other layers never trained), or the stage's
-  shard_map would split the head or the batch by hand over 'pipe' (a NaN loss)."""
+  and nothing else, and no other rule 'pipe'. Otherwise stages run blocks not their own
+  (layers=(): every stage runs stage 0's, and the other layers never train), or the pipeline
+  runs by hand over an axis that also splits something else (vocab=('pipe',): a NaN loss)."""
   layers = mesh_axes(rules.layers)
   if layers != ('pipe',):
     raise ConfigError(f"sharding.rules.layers={layers}: mesh.pipe={stages} cuts the layer stack "

@@ -143,16 +143,22 @@ def fp8_config(corpus, recipe, **mesh):
 
 @pytest.fixture(scope='module')
 def one_device_fp8(corpus):
-  """Per recipe, the one-device FP8 run's losses and state; and FP8's own noise on this run:
-  the most either recipe's rounding moves a step's loss from the same run without FP8."""
+  """Per recipe, the one-device FP8 run's losses and state; and the same run's losses without
+  FP8 (bf16 alone), which no FP8 code computes."""
   _, plain = train(fp8_config(corpus, 'none'), devices=jax.devices()[:1])
-  plain = np.array([row['loss'] for row in plain])
   runs = {}
   for recipe in ('delayed', 'current'):
     state, history = train(fp8_config(corpus, recipe), devices=jax.devices()[:1])
     runs[recipe] = np.array([row['loss'] for row in history]), jax.device_get(state)
-  noise = max(np.abs(losses - plain).max() for losses, _ in runs.values())
-  return runs, noise
+  return runs, np.array([row['loss'] for row in plain])
+
+
+def test_fp8_trains_like_bf16(one_device_fp8):
+  """Four steps on one device with either recipe's FP8 layer matmuls stay within 1e-2 of the
+  same run's bf16 losses (measured: 3.4e-3 at most), and FP8 is at work: they differ."""
+  runs, plain = one_device_fp8
+  for losses, _ in runs.values():
+    assert 0 < np.abs(losses - plain).max() <= 1e-2, (losses, plain)
 
 
 CASES = {  # id: (recipe, mesh, other fields): both recipes on every axis, and delayed scaling
@@ -169,14 +175,16 @@ CASES = {  # id: (recipe, mesh, other fields): both recipes on every axis, and d
 @pytest.mark.parametrize('case', CASES)
 def test_every_mesh_axis_trains_like_one_device(case, corpus, one_device_fp8):
   """Four steps of bf16 compute with FP8 matmuls on a mesh give the one-device FP8 losses
-  to within half of FP8's own noise on one device, plus 5e-5 (what bf16 alone moves on these
-  meshes): a mesh's partial sums round bf16 differently, which moves some FP8 roundings, and
-  current scaling takes the amaxes of what each device holds where the step splits the batch
-  by hand (as Transformer Engine's does per GPU). A scale taken from a wrong amax moves the
-  loss by as much as FP8 itself. Under delayed scaling the amax histories and scales match
-  too (amaxes over every shard, micro-batch and pipeline iteration)."""
+  to within 1.5e-3 (measured: 3e-4 to 9e-4, the most on a pipeline under current scaling): a
+  mesh's partial sums round bf16 differently, which moves some FP8 roundings, and current
+  scaling takes the amaxes of what each device holds where the step splits the batch by hand
+  (as Transformer Engine's does per GPU). The bound is fixed, not taken from FP8's own
+  distance from bf16 (3.4e-3), which a worse FP8 would widen. The loss is blind to scales a
+  few times off (delayed scaling's amaxes summed over a pipeline's iterations, not their
+  maximum, moved it by 2e-4 to 5e-4), so under delayed scaling the amax histories and scales
+  must match too (amaxes over every shard, micro-batch and pipeline iteration)."""
   recipe, mesh, fields = CASES[case]
-  runs, noise = one_device_fp8
+  runs, _ = one_device_fp8
   want_losses, want_state = runs[recipe]
   cfg = fp8_config(corpus, recipe, **mesh)
   for field, value in fields.items():
@@ -184,8 +192,7 @@ def test_every_mesh_axis_trains_like_one_device(case, corpus, one_device_fp8):
     cfg[section][name] = value
   state, history = train(cfg, devices=jax.devices()[:math.prod(mesh.values())])
   losses = np.array([row['loss'] for row in history])
-  assert (np.abs(losses - want_losses) <= 0.5 * noise + 5e-5).all(), (losses, want_losses,
-                                                                      noise)
+  assert (np.abs(losses - want_losses) <= 1.5e-3).all(), (losses, want_losses)
   if recipe == 'current':
     assert state.fp8 is None
     return

@@ -5,8 +5,9 @@ divided by a scale that maps the tensor's largest magnitude (its amax) onto the 
 largest value; the products are rescaled by the scales' product. Each scale is rounded to the
 compute dtype once and that value serves both sides, so no product carries the rounding's
 error as a gain. XLA's GPU compiler makes each of these matmuls a cuBLASLt FP8 call with the
-scales as its operands. On the CPU XLA emulates the FP8 types, with the same rounding (the
-scales applied in the compute dtype).
+scales as its operands. On the CPU XLA emulates the FP8 types, with the same rounding; the
+rescaled operands are then rounded to the compute dtype, where a GPU multiplies the FP8 values
+exactly.
 
 Scaling recipes:
 - 'current': each scale comes from this step's amax of its tensor: over every shard the
