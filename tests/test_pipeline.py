@@ -194,19 +194,21 @@ def all_gathers(text: str, mesh_shape: dict[str, int]) -> list[tuple[tuple[str, 
           for _, dims in hlo.arrays(hlo.delivered(inst))]
 
 
-@pytest.mark.parametrize('rules,message', [
+@pytest.mark.parametrize('rules,message,alone', [
     # every stage would run stage 0's blocks: the others' gradients 0.0, the loss still falling
     (dict(layers=()), "sharding.rules.layers=(): mesh.pipe=2 cuts the layer stack into stages "
-                      "over 'pipe', so the layers rule must be ('pipe',) alone"),
-    (dict(layers=('fsdp',)), "sharding.rules.layers=('fsdp',): mesh.pipe=2"),
-    (dict(layers=('pipe', 'fsdp')), "sharding.rules.layers=('pipe', 'fsdp'): mesh.pipe=2"),
+                      "over 'pipe', so the layers rule must be ('pipe',) alone", True),
+    (dict(layers=('data',)), "sharding.rules.layers=('data',): mesh.pipe=2", True),
+    (dict(layers=('pipe', 'data')), "sharding.rules.layers=('pipe', 'data'): mesh.pipe=2", True),
+    # fsdp splits the weights' embed dimension as well: refused without a pipeline too
+    (dict(layers=('fsdp',)), "sharding.rules.layers=('fsdp',): mesh.pipe=2", False),
     # the head's vocabulary split by hand over the stages: a NaN loss
     (dict(vocab=('pipe',)), "sharding.rules.vocab=('pipe',) names 'pipe', which the pipeline "
-                            "(mesh.pipe=2) keeps for the stages of the layer stack"),
+                            "(mesh.pipe=2) keeps for the stages of the layer stack", True),
 ])
-def test_a_pipeline_takes_the_layers_rule_on_pipe_alone(rules, message):
+def test_a_pipeline_takes_the_layers_rule_on_pipe_alone(rules, message, alone):
   """A run refuses, in one line, a rules table that would pipeline the wrong blocks; without
-  a pipeline the same rules are the user's to choose."""
+  a pipeline the same rules are the user's to choose (where nothing else refuses them)."""
   cfg = small_config(pipe=2, data=2, fsdp=2)
   cfg.train.global_batch = 16
   cfg.sharding.rules.update(rules)
@@ -214,7 +216,11 @@ def test_a_pipeline_takes_the_layers_rule_on_pipe_alone(rules, message):
     setup(cfg)
   assert message in str(error.value) and '\n' not in str(error.value)
   cfg.mesh.update(pipe=1, data=4)
-  validate(cfg, dict(cfg.mesh))
+  if alone:
+    validate(cfg, dict(cfg.mesh))
+  else:
+    with pytest.raises(ConfigError, match="both split over 'fsdp'"):
+      validate(cfg, dict(cfg.mesh))
 
 
 def test_pipeline_settings_without_a_pipeline_are_a_note(capsys):
