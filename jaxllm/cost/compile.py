@@ -99,7 +99,8 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
                       f"{str(e).rstrip('.')}; use model.attention='xla' or change the model's "
                       'shapes.') from None
   executable = lowered.compile({**COMPILE_OPTIONS,
-                                **compiler_options(cfg.model, devices[0].platform)})
+                                **compiler_options(cfg.model, devices[0].platform,
+                                                   pipeline is not None)})
   split = lambda xs: shard_bytes([x for x in xs if 'fsdp' in mesh_axes(x.sharding.spec)])
   head = state.params['embed_VD' if cfg.model.tie_embeddings else 'head_DV']
   zero_split = [x for x in jax.tree.leaves(state.params) if layout.zero and
