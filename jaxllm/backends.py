@@ -39,15 +39,16 @@ def start_backends(cfg: ConfigDict | None = None) -> None:
     jax.config.update('jax_platforms', 'cpu')
 
 
-def compiler_options(model_cfg: ConfigDict, platform: str) -> dict:
-  """XLA's options for the programs of a model (its train and eval steps) on `platform`."""
+def compiler_options(model_cfg: ConfigDict, platform: str, pipelined: bool = False) -> dict:
+  """XLA's options for the programs of a model (its train and eval steps) on `platform`,
+  `pipelined` where they run a pipeline (mesh.pipe > 1)."""
   bf16_reductions = model_cfg.grad_reduce_dtype == 'bfloat16' or (
-      model_cfg.dtype == 'bfloat16' and model_cfg.fp8 != 'none')
+      model_cfg.dtype == 'bfloat16' and (model_cfg.fp8 != 'none' or pipelined))
   if platform == 'cpu' and bf16_reductions:
     # XLA's CPU compiler aborts the process on some bf16 all-reduces (a bf16 gradient
-    # reduce-scatter; an FP8 model's on a mesh) in its all-reduce-promotion pass ("Invalid
-    # binary instruction opcode copy"); the pass only widens narrow reductions, which GPUs
-    # run as they are.
+    # reduce-scatter; an FP8 model's on a mesh; a bf16 pipeline's reduce-scatter of its
+    # outputs over pipe) in its all-reduce-promotion pass ("Invalid binary instruction opcode
+    # copy"); the pass only widens narrow reductions, which GPUs run as they are.
     return {'xla_disable_hlo_passes': 'all-reduce-promotion'}
   if platform == 'gpu' and model_cfg.fp8 != 'none':
     # FP8 matmuls as cuBLASLt FP8 calls, as NVIDIA's FP8 recipes for XLA run them, where

@@ -169,6 +169,7 @@ def step_gradients(cfg, devices=None):
   mesh: `jaxllm.step.make_train_step` with an "optimizer" that stores the gradients it is
   given as its state. Blocks in layer order, on the host."""
   import optax
+  from jaxllm.backends import compiler_options
   from jaxllm.pipeline.spec import from_stage_order
   from jaxllm.step import TrainState, make_train_step
   from jaxllm.train import setup
@@ -181,7 +182,9 @@ def step_gradients(cfg, devices=None):
                          run.pipeline)
   with sharding_context(run.mesh, run.layout.rules):
     state = TrainState(run.state.step, run.state.params, keep.init(run.state.params))
-    new_state, metrics = jax.jit(step)(state, next(run.batches))
+    options = compiler_options(cfg.model, run.mesh.devices.flat[0].platform,
+                               run.pipeline is not None)
+    new_state, metrics = jax.jit(step, compiler_options=options)(state, next(run.batches))
   grads = jax.device_get(new_state.opt_state)
   if run.pipeline:
     grads = from_stage_order(grads, run.pipeline.stages, run.pipeline.repeats)

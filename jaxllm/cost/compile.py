@@ -100,7 +100,8 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
                       'shapes.') from None
   with compiling_for(devices):
     executable = lowered.compile({**COMPILE_OPTIONS,
-                                  **compiler_options(cfg.model, devices[0].platform)})
+                                  **compiler_options(cfg.model, devices[0].platform,
+                                                     pipeline is not None)})
   split = lambda xs: shard_bytes([x for x in xs if 'fsdp' in mesh_axes(x.sharding.spec)])
   head = state.params['embed_VD' if cfg.model.tie_embeddings else 'head_DV']
   zero_split = [x for x in jax.tree.leaves(state.params) if layout.zero and
