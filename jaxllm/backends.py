@@ -79,6 +79,25 @@ def use_compilation_cache(setting: str) -> None:
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
+@contextlib.contextmanager
+def compiling_for(devices):
+  """Compiles for `devices`. A program for compile-only devices (`gpu_devices`) stays out of
+  the persistent compilation cache, when a process has it on: JAX would write it, but its
+  compile-only client cannot load an executable, so reading it back fails (with a warning)
+  each time the same program is compiled again."""
+  import jax
+  if not (devices and is_compile_only(devices[0])):
+    yield
+    return
+  name = 'jax_persistent_cache_min_compile_time_secs'  # what JAX checks before it writes
+  kept = getattr(jax.config, name)
+  jax.config.update(name, float('inf'))
+  try:
+    yield
+  finally:
+    jax.config.update(name, kept)
+
+
 def compilation_cache_dir(setting: str) -> str:
   """The directory `compilation_cache` names: 'auto' is jaxllm/compilation under the user's
   cache directory."""

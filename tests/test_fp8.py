@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import paired_leaves, text_config
+from conftest import once_per_run, paired_leaves, text_config
 from jaxllm.config import ConfigError
 from jaxllm.model import fp8
 from jaxllm.pipeline.spec import from_stage_order
@@ -144,13 +144,15 @@ def fp8_config(corpus, recipe, **mesh):
 @pytest.fixture(scope='module')
 def one_device_fp8(corpus):
   """Per recipe, the one-device FP8 run's losses and state; and the same run's losses without
-  FP8 (bf16 alone), which no FP8 code computes."""
-  _, plain = train(fp8_config(corpus, 'none'), devices=jax.devices()[:1])
-  runs = {}
-  for recipe in ('delayed', 'current'):
-    state, history = train(fp8_config(corpus, recipe), devices=jax.devices()[:1])
-    runs[recipe] = np.array([row['loss'] for row in history]), jax.device_get(state)
-  return runs, np.array([row['loss'] for row in plain])
+  FP8 (bf16 alone), which no FP8 code computes. Made once per test run."""
+  def runs_and_plain():
+    _, plain = train(fp8_config(corpus, 'none'), devices=jax.devices()[:1])
+    runs = {}
+    for recipe in ('delayed', 'current'):
+      state, history = train(fp8_config(corpus, recipe), devices=jax.devices()[:1])
+      runs[recipe] = np.array([row['loss'] for row in history]), jax.device_get(state)
+    return runs, np.array([row['loss'] for row in plain])
+  return once_per_run('one_device_fp8', runs_and_plain)
 
 
 def test_fp8_trains_like_bf16(one_device_fp8):

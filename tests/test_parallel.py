@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import (assert_params_close, leaf_paths, paired_leaves, small_config,
+from conftest import (assert_params_close, leaf_paths, once_per_run, paired_leaves, small_config,
                       step_gradients, text_config)
 from jaxllm.config import ConfigError
 from jaxllm.cost import hlo
@@ -95,7 +95,8 @@ def one_device_gradients(short_documents):
       cfg.model.update(model)
       first = next(iter(setup(cfg, jax.devices()[:1]).batches))
       assert (np.asarray(first['segment_ids']).max(axis=1) > 1).all()  # documents meet in rows
-      made[key] = step_gradients(cfg, jax.devices()[:1])
+      made[key] = once_per_run(f'test_parallel.one_device_gradients{key}',
+                               lambda: step_gradients(cfg, jax.devices()[:1]))
     return made[key]
   return gradients
 
