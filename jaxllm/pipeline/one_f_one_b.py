@@ -15,7 +15,10 @@ Without differentiation (eval) only the forwards and head run.
 
 The stage weights are not kept per slot: a residual that *is* the chunk's weights (their
 forward is a scan over them) is left out of the buffer and the chunk's weights put back when
-the pullback is rebuilt.
+the pullback is rebuilt; the copies the layers make of them (cast to the compute dtype,
+gathered over an axis that splits the sequence, laid out for a collective matmul's rings) are
+remade in the backward (`_Stage`). Each tick's weight gradients come back in fp32 and are
+summed in it, as GPipe's scan sums its iterations'.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.model.remat import stack_policy
 from jaxllm.model.transformer import head_loss_sum, scan_blocks, sliding_flags
 from jaxllm.parallel.gather import batch_split_gatherer, compiler_axes
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
@@ -80,17 +84,26 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
 
 class _Stage:
   """A chunk of the layer stack, run forward, linearized and pulled back; `chunk` is which of
-  this stage's R chunks (it says which layers they are: `chunk_first_layer`)."""
+  this stage's R chunks (it says which layers they are: `chunk_first_layer`).
+
+  Its weights come in their own dtype (fp32, holding the compute dtype's values), so that each
+  tick's weight gradients come back in it, to be summed in fp32 as GPipe's scan sums them;
+  the layers cast them to the compute dtype (and gather them where the sequence is split over
+  an axis that splits them) as they use them. Those copies are new values every tick: the
+  chunk runs under `stack_policy`, which never keeps them in a slot, but remakes them for the
+  backward from the weights (what the slots keep besides is what model.remat says; under
+  'none', the outputs of the weight matmuls and of attention)."""
 
   def __init__(self, graphdef, model_cfg, stages: int, repeats: int):
-    self.graphdef, self.model_cfg = graphdef, model_cfg
-    self.remat, self.compute_dtype = model_cfg.remat, jnp.dtype(model_cfg.dtype)
+    self.graphdef, self.model_cfg, self.remat = graphdef, model_cfg, model_cfg.remat
     self.stages, self.per_chunk = stages, model_cfg.num_layers // (stages * repeats)
 
   def __call__(self, w, x_BTD, info, chunk):
     first = chunk_first_layer(jax.lax.axis_index('pipe'), chunk, self.stages, self.per_chunk)
-    return scan_blocks(self.graphdef, w, x_BTD, *info, self.remat,
-                       sliding_L=sliding_flags(self.model_cfg, first, self.per_chunk))
+    sliding_L = sliding_flags(self.model_cfg, first, self.per_chunk)
+    run = lambda w, x_BTD: scan_blocks(self.graphdef, w, x_BTD, *info, self.remat,
+                                       sliding_L=sliding_L)
+    return jax.checkpoint(run, policy=stack_policy(self.remat), prevent_cse=False)(w, x_BTD)
 
   def linearize(self, w, x_BTD, info, chunk):
     """(output, residuals to keep, (pullback structure, where w's leaves go in it))."""
@@ -163,7 +176,7 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
   table = {k: jnp.asarray(v, jnp.int32) for k, v in zip(
       _FIELDS, (ticks.forward, f_slot, ticks.backward, b_slot))}
   microbatch, chunk = (jnp.asarray(a, jnp.int32) for a in (ticks.microbatch, ticks.chunk))
-  weights = jax.tree.map(lambda w: w[0].astype(stage.compute_dtype), staged)  # [R, L/(S·R), ...]
+  weights = jax.tree.map(lambda w: w[0], staged)  # [R, L/(S·R), ...]
   chunk_weights = lambda r: jax.tree.map(lambda w: w[0] if R == 1 else w[r], weights)
   info_of = lambda m: jax.tree.map(lambda a: a[m], info_M)
   forward_ring = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
