@@ -28,9 +28,10 @@ from jaxllm.config import ConfigError, TrainingError, default_config
 from jaxllm.data import Streams
 from jaxllm.step import state_shapes
 
-# Model fields that fix parameter shapes; a checkpoint restores only where they all agree.
+# Model fields that fix the parameters and their shapes; a checkpoint restores only where they
+# all agree.
 SHAPE_FIELDS = ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
-                'mlp_dim', 'tie_embeddings', 'param_dtype')
+                'mlp_dim', 'tie_embeddings', 'param_dtype', 'qk_norm', 'qkv_bias', 'post_norms')
 SET_ASIDE_SUFFIX = '.unreadable'
 
 
@@ -103,8 +104,8 @@ def _storage_failed(e: Exception) -> bool:
 
 
 def _check_model_shape(saved: dict, model_cfg: ConfigDict, where: str) -> None:
-  for field in SHAPE_FIELDS:
-    was, now = saved['model'][field], model_cfg[field]
+  for field in SHAPE_FIELDS:  # a checkpoint saved before a field existed has its default
+    was, now = saved['model'].get(field, default_config().model[field]), model_cfg[field]
     if was != now:
       raise ConfigError(f'checkpoint {where} was saved with model.{field}={was!r} but this run '
                         f'has model.{field}={now!r}; use the same model shape, or start a new '

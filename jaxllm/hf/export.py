@@ -1,4 +1,5 @@
-"""Writing parameters as a Hugging Face Llama checkpoint that `from_pretrained` loads."""
+"""Writing parameters as a Hugging Face checkpoint (Llama, Qwen2/2.5, Qwen3, Mistral or Gemma 3)
+that `from_pretrained` loads."""
 
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ def _shard_groups(entries, itemsize: int, max_shard_bytes: int) -> list[list]:
 def export(params, model_cfg: ConfigDict, out_dir: str, dtype: str, vocabulary: Vocabulary,
            max_shard_bytes: int = 5 * 10**9) -> None:
   """Writes `params` (layer order, as checkpoints and `load` hold them) as a Hugging Face
-  LlamaForCausalLM in `dtype`: config.json and model.safetensors, or numbered files with an
-  index when they are larger than `max_shard_bytes`."""
+  causal LM of the model's family (`jaxllm.hf.families.family_of`) in `dtype`: config.json
+  and model.safetensors, or numbered files with an index when they are larger than
+  `max_shard_bytes`. A model no family computes is refused before anything is written."""
+  config = hf_config(model_cfg, dtype, vocabulary)
   if glob.glob(os.path.join(out_dir, '*.safetensors')):
     raise ConfigError(f'{out_dir} already holds *.safetensors files; export into an empty or '
                       'new directory.')
@@ -76,7 +79,7 @@ def export(params, model_cfg: ConfigDict, out_dir: str, dtype: str, vocabulary: 
     with open(os.path.join(out_dir, INDEX_FILE), 'w') as f:
       json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
   with open(os.path.join(out_dir, CONFIG_FILE), 'w') as f:
-    json.dump(hf_config(model_cfg, dtype, vocabulary), f, indent=2)
+    json.dump(config, f, indent=2)
     f.write('\n')
 
 

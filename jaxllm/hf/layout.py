@@ -1,4 +1,5 @@
-"""Where each jaxllm parameter lives in a Hugging Face Llama checkpoint's tensors.
+"""Where each jaxllm parameter lives in a Hugging Face checkpoint's tensors (Llama's names, and
+those the other families add).
 
 The two layouts differ only in how tensors are arranged: torch `Linear` weights are [out, in]
 with the heads flattened, ours are [in, out] with heads as their own axis and the layers
@@ -63,7 +64,9 @@ class Layout:
 
 
 def layouts(model_cfg: ConfigDict) -> dict[str, Layout]:
-  """Our parameters by dotted name ('blocks.attn.wq_DNH') → their place in a HF Llama."""
+  """Our parameters by dotted name ('blocks.attn.wq_DNH') → their place in a HF checkpoint of
+  the model's family: the Llama names, and what the family's options add (q/k/v biases,
+  q/k norms, Gemma's four norms a layer)."""
   m = model_cfg
   V, D, N, K, H, F = m.vocab_size, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
   layer = 'model.layers.{}.'
@@ -81,6 +84,19 @@ def layouts(model_cfg: ConfigDict) -> dict[str, Layout]:
       'blocks.mlp.w_up_DF': Layout(layer + 'mlp.up_proj.weight', ((F,), (D,)), (1, 0)),
       'blocks.mlp.w_down_FD': Layout(layer + 'mlp.down_proj.weight', ((D,), (F,)), (1, 0)),
   }
+  if m.qkv_bias:
+    for name, heads, ours in (('q', N, 'bias_q_NH'), ('k', K, 'bias_k_KH'), ('v', K, 'bias_v_KH')):
+      found[f'blocks.attn.{ours}'] = Layout(layer + f'self_attn.{name}_proj.bias',
+                                            ((heads, H),), (0, 1))
+  if m.qk_norm:
+    for name in ('q', 'k'):
+      found[f'blocks.attn.{name}_norm.scale'] = Layout(layer + f'self_attn.{name}_norm.weight',
+                                                       ((H,),), (0,))
+  if m.post_norms:  # Gemma's names: post_attention_layernorm follows attention here
+    norm = lambda name: Layout(layer + f'{name}.weight', ((D,),), (0,))
+    found.update({'blocks.attn_out_norm.scale': norm('post_attention_layernorm'),
+                  'blocks.mlp_norm.scale': norm('pre_feedforward_layernorm'),
+                  'blocks.mlp_out_norm.scale': norm('post_feedforward_layernorm')})
   if not m.tie_embeddings:
     found['head_DV'] = Layout('lm_head.weight', ((V,), (D,)), (1, 0))
   return found

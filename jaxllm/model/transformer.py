@@ -4,12 +4,15 @@ paper; the parts live beside it in `jaxllm.model`."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from ml_collections import ConfigDict, FrozenConfigDict
 
+from jaxllm.config import layer_types
 from jaxllm.model.attention import Attention
 from jaxllm.model.embedding import sharded_lookup
 from jaxllm.model.kv_cache import KV_CACHE_AXES, KVCache, LayerCache
@@ -40,22 +43,45 @@ LOGICAL_SHAPES = (
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: attention, then MLP."""
+  """Pre-norm residual block: attention, then MLP; with model.post_norms, each output normed
+  again before it joins the residual (Gemma's four norms a layer)."""
 
   def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
     pd = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs)
+    norm = lambda: RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs, cfg.norm_zero_centered)
+    self.attn_norm = norm()
     self.attn = Attention(cfg, rngs)
-    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs)
+    self.mlp_norm = norm()
     self.mlp = MLP(cfg, rngs)
+    self.attn_out_norm, self.mlp_out_norm = (norm(), norm()) if cfg.post_norms else (None, None)
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
-    """The block's output; with a `cache`, also the new tokens' keys and values."""
-    attn = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, cache)
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None,
+               sliding=None):
+    """The block's output; with a `cache`, also the new tokens' keys and values. `sliding`:
+    whether this layer's attention slides, where the layers differ (see `sliding_flags`)."""
+    attn = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, cache, sliding)
     attn_BTD, new_kv = attn if cache is not None else (attn, None)
+    if self.attn_out_norm is not None:
+      attn_BTD = self.attn_out_norm(attn_BTD)
     x_BTD = constrain(x_BTD + attn_BTD, *RESIDUAL_AXES)
-    x_BTD = constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), *RESIDUAL_AXES)
+    mlp_BTD = self.mlp(self.mlp_norm(x_BTD))
+    if self.mlp_out_norm is not None:
+      mlp_BTD = self.mlp_out_norm(mlp_BTD)
+    x_BTD = constrain(x_BTD + mlp_BTD, *RESIDUAL_AXES)
     return x_BTD if cache is None else (x_BTD, new_kv)
+
+
+def sliding_flags(cfg: ConfigDict, first=0, count: int | None = None):
+  """Whether each of `count` consecutive layers from layer `first` (default: all of them)
+  slides, [count] bool: the data the layer scan carries where the layers' attention differs
+  (model.layer_types), so that the one Block picks its window and RoPE layer by layer.
+  `first` may be traced (a pipeline stage's first layer). None where every layer is alike:
+  the Block then knows its layer type from the config."""
+  kinds = layer_types(cfg)
+  if len(set(kinds)) == 1:
+    return None
+  table = jnp.asarray([kind == 'sliding' for kind in kinds])
+  return jax.lax.dynamic_slice_in_dim(table, first, count or cfg.num_layers)
 
 
 def sequence_positions(tokens_BT):
@@ -64,37 +90,42 @@ def sequence_positions(tokens_BT):
 
 
 def scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, remat: str,
-                cache: KVCache | None = None):
+                cache: KVCache | None = None, sliding_L=None):
   """Applies the blocks stacked on the leading axis of `stacked`, in order, with `lax.scan`.
+  `sliding_L`: each of those layers' `sliding_flags`, or None where the layers are alike.
 
   With a `cache` (decoding) returns the output and the cache holding the new tokens too."""
   if cache is not None:
     if segment_ids_BT is not None:
       raise ValueError('decoding with a KV cache takes one sequence per row: no segment ids.')
-    return _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache)
+    return _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache, sliding_L)
 
   def body(x_BTD, layer):
-    return nnx.merge(graphdef, layer)(x_BTD, positions_BT, segment_ids_BT), None
+    layer, sliding = layer if sliding_L is not None else (layer, None)
+    return nnx.merge(graphdef, layer)(x_BTD, positions_BT, segment_ids_BT,
+                                      sliding=sliding), None
 
   if remat != 'none':
     body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
   # Named outside the layer's own checkpoint, for one around the whole stack (stack_policy).
   named_body = lambda x_BTD, layer: body(checkpoint_name(x_BTD, 'layer_input'), layer)
-  x_BTD, _ = jax.lax.scan(named_body, x_BTD, stacked)
+  x_BTD, _ = jax.lax.scan(named_body, x_BTD,
+                          stacked if sliding_L is None else (stacked, sliding_L))
   return x_BTD
 
 
-def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache):
+def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache, sliding_L):
   """The scan of `scan_blocks` with each layer reading its slice of the cache and returning
   its new keys and values; they are written into the cache once, after the scan.
   No remat: decoding takes no gradients."""
   def body(x_BTD, layer_and_cache):
-    layer, k_BSKH, v_BSKH = layer_and_cache
+    layer, k_BSKH, v_BSKH, sliding = layer_and_cache
     return nnx.merge(graphdef, layer)(x_BTD, positions_BT, None,
-                                      LayerCache(k_BSKH, v_BSKH, cache.length, cache.start_B))
+                                      LayerCache(k_BSKH, v_BSKH, cache.length, cache.start_B),
+                                      sliding=sliding)
 
-  x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(body, x_BTD,
-                                           (stacked, cache.k_LBSKH, cache.v_LBSKH))
+  x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(
+      body, x_BTD, (stacked, cache.k_LBSKH, cache.v_LBSKH, sliding_L))
   return x_BTD, cache.append(k_LBTKH, v_LBTKH)
 
 
@@ -126,13 +157,15 @@ class Transformer(nnx.Module):
       return Block(cfg, rngs)
 
     self.blocks = make_blocks(rngs)
-    self.final_norm = RMSNorm(D, cfg.norm_eps, pd, rngs)
+    self.final_norm = RMSNorm(D, cfg.norm_eps, pd, rngs, cfg.norm_zero_centered)
     if not cfg.tie_embeddings:
       self.head_DV = param(rngs, nnx.initializers.normal(cfg.init_std), (D, V),
                             ('embed', 'vocab'), pd)
 
   def embed(self, tokens_BT):
     x_BTD = sharded_lookup(self.embed_VD[...], tokens_BT, self.cfg.dtype)
+    if self.cfg.scale_embeddings:  # √D rounded to the compute dtype first, as Gemma's
+      x_BTD = x_BTD * jnp.asarray(math.sqrt(self.cfg.embed_dim), x_BTD.dtype)
     return constrain(x_BTD, *RESIDUAL_AXES)
 
   def layers(self, x_BTD, positions_BT, segment_ids_BT=None, cache: KVCache | None = None):
@@ -143,7 +176,7 @@ class Transformer(nnx.Module):
     returns the output and the cache holding them."""
     graphdef, stacked = nnx.split(self.blocks)
     return scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, self.cfg.remat,
-                       cache)
+                       cache, sliding_flags(self.cfg))
 
   def logits(self, x_BTD):
     """Output logits in fp32 (from matmuls in the compute dtype)."""
