@@ -4,12 +4,13 @@ big-config path, the ranking, and bad input. More of the GPU's program: test_gpu
 
 import math
 import re
+import sys
 
 import jax
 import pytest
 from absl import flags
 
-from conftest import data_reductions, run_cli, small_config
+from conftest import REPO, data_reductions, run_cli, small_config
 from jaxllm import analyze as analyze_cli
 from jaxllm import backends, tune
 from jaxllm.config import PIPELINE_SCHEDULES, ConfigError
@@ -268,10 +269,11 @@ def test_analyze_prints_a_verdict_for_llama3_8b_on_64_devices():
 
 
 def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
-  """On 4 devices (every candidate is a compile): each of the 10 meshes with 1 micro-batch,
-  none with 3, which do not divide the 16 rows."""
+  """On 4 devices, every candidate compiled: each of the 10 meshes with 1 micro-batch, none
+  with 3, which do not divide the 16 rows."""
   devices = jax.devices()[:4]
-  rows, skipped = rank(tiny_config, H100, Space(('none',), (1, 3)), devices)
+  ranking = rank(tiny_config, H100, Space(('none',), (1, 3)), devices, exhaustive=True)
+  rows, skipped = ranking.rows, ranking.counts()
   steps = [r['step_s'] for r in rows]
   assert steps == sorted(steps)
   assert sorted(tuple(r['mesh'][a] for a in ('data', 'fsdp', 'pipe', 'tensor')) for r in rows) == (
@@ -283,6 +285,59 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
   assert {(r['mesh']['pipe'] > 1, r['pipeline']) for r in rows} == {(False, '-'), (True, 'gpipe')}
   for row in rows[:2]:
     assert tune.measure(row['config'], steps=1, devices=devices) > 0
+
+
+def test_tune_lays_each_mesh_over_the_hosts_as_the_config_says(tiny_config):
+  """16 H100s are two nodes: with mesh.across_hosts='data' a mesh with data=1 cannot be laid
+  over them, and is left out with the config's reason (as a run would be refused) instead of
+  ending the search when its compile raised."""
+  tiny_config.mesh.across_hosts = 'data'
+  found = list(candidates(tiny_config, 16, Space(('none',)), hosts=2))
+  refused = {c.mesh.data for c, _, reason in found if reason and 'across_hosts' in reason}
+  assert refused == {1}
+  assert all(reason is None for c, _, reason in found if c.mesh.data == 2 and c.mesh.pipe == 1
+             and c.mesh.fsdp * c.mesh.tensor == 8 and c.mesh.tensor <= 4), found
+  reason = next(r for c, _, r in found if c.mesh.data == 1)
+  assert reason.startswith("mesh.across_hosts='data': the devices are on 2 hosts but data=1 ")
+
+
+def test_tune_goes_on_past_a_candidate_that_cannot_compile(tiny_config, monkeypatch):
+  """A compile that raises leaves its candidate out as invalid, with the error's first line,
+  and the search goes on: here every compile but the third raises."""
+  real, calls = compile_step, []
+
+  def fails_but_the_third(cfg, devices=None, cache=None):
+    calls.append(cfg)
+    if len(calls) != 3:
+      raise RuntimeError('RESOURCE_EXHAUSTED: the compiler gave up\nits details')
+    return real(cfg, devices, cache)
+
+  monkeypatch.setattr('jaxllm.cost.compile.compile_step', fails_but_the_third)
+  ranking = rank(tiny_config, H100, Space(('none',)), jax.devices()[:2], exhaustive=True)
+  assert len(calls) == 4 and ranking.counts() == {'invalid': 3}
+  assert [r['config'] for r in ranking.rows] == [calls[2]]
+  assert {o.reason for o in ranking.outcomes if o.why} == {
+      'RuntimeError: RESOURCE_EXHAUSTED: the compiler gave up'}
+
+
+def test_tune_says_why_when_no_candidate_compiles(monkeypatch, capfd):
+  """cuDNN refuses a head dimension of 4 on every mesh: each of the 7 candidates (4 meshes, 4
+  schedules on pipe=2) is left out with that reason, and the command says it in its one
+  line (run in this process: its exit, not its start, is the subject)."""
+  monkeypatch.chdir(REPO)
+  monkeypatch.setattr(sys, 'argv', [
+      'jaxllm-tune', '--config', 'configs/tiny.py', '--devices', '2', '--remat', 'none',
+      '--micro-batches', '1', '--config.model.attention=cudnn', '--config.model.dtype=bfloat16',
+      '--config.model.head_dim=4', '--cache=', '--workers=1'])
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      tune.cli()
+  finally:
+    flags.FLAGS.unparse_flags()
+  lines = capfd.readouterr().err.strip().splitlines()
+  assert stopped.value.code == 2 and len(lines) == 1, lines
+  assert 'no mesh of 2 devices fits h100-nvlink (7 invalid, most often: ' in lines[0]
+  assert 'The head dim must be <= 256 and a multiple of 8, but got 4' in lines[0], lines
 
 
 def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
