@@ -287,6 +287,30 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
     assert tune.measure(row['config'], steps=1, devices=devices) > 0
 
 
+@pytest.mark.slow
+def test_tune_ranks_as_compiling_every_candidate_does_and_recompiles_what_changed(
+    tiny_config, tmp_path):
+  """The search, which compiles only what its estimates cannot rule out, ranks the best as an
+  exhaustive one does; every program compiled is kept in the cache, and a search with one
+  flag changed (--remat none, then none,full) compiles only the programs that are new."""
+  devices, cache = jax.devices()[:4], str(tmp_path / 'programs')
+  search = lambda remat, **kw: rank(tiny_config, H100, Space(remat), devices, cache_dir=cache,
+                                    **kw)
+  compiled = lambda ranking: [o for o in ranking.outcomes if o.report]
+  first = search(('none',), exhaustive=True)
+  assert compiled(first) and not any(o.cached for o in compiled(first))
+  every = search(('none', 'full'), exhaustive=True)
+  assert {o.cached for o in compiled(every) if o.config.model.remat == 'none'} == {True}
+  assert {o.cached for o in compiled(every) if o.config.model.remat == 'full'} == {False}
+  fast = search(('none', 'full'), top=3)
+  assert {o.cached for o in compiled(fast)} == {True}
+  assert len(compiled(fast)) < len(compiled(every))
+  best = lambda ranking: [(r['mesh'], r['remat'], r['pipeline'], r['step_s'])
+                          for r in ranking.rows[:3]]
+  assert best(fast) == best(every)
+  assert set(fast.counts()) >= {'cannot win'}, fast.counts()
+
+
 def test_tune_lays_each_mesh_over_the_hosts_as_the_config_says(tiny_config):
   """16 H100s are two nodes: with mesh.across_hosts='data' a mesh with data=1 cannot be laid
   over them, and is left out with the config's reason (as a run would be refused) instead of

@@ -19,7 +19,7 @@ from jaxllm.backends import is_compile_only
 from jaxllm.config import MESH_AXES, ROUND_TRIP_SCHEDULES, ConfigError
 from jaxllm.cost.compile import step_shapes
 from jaxllm.cost.compilers import Compilers, Target
-from jaxllm.cost.estimate import Estimate, estimate
+from jaxllm.cost.estimate import Calibration, Estimate, estimate
 from jaxllm.cost.hardware import Hardware, usable_memory
 from jaxllm.cost.report import program_text, seconds_text, size_text
 from jaxllm.parallel.mesh import host_split, hosts
@@ -121,9 +121,10 @@ def pipeline_text(c: ConfigDict) -> str:
 LEFT_OUT = {  # why a candidate is not ranked, as the table counts them
     'invalid': 'the config refuses it, or it does not compile',
     'state does not fit': 'its parameters and optimizer state alone do not fit',
-    'cannot fit': 'the state, gradients and kept activations alone do not fit (estimated)',
+    'cannot fit': 'estimated, as the compiled of its kind show the estimate errs: does not fit',
     'does not fit': 'compiled: its peak does not fit',
-    'cannot win': 'estimated slower than the best compiled by more than the estimate errs',
+    'cannot win': 'estimated, as the compiled of its kind show the estimate errs: slower than '
+                  'the best compiled',
 }
 
 
@@ -181,12 +182,13 @@ def rank(cfg: ConfigDict, hardware: Hardware, space: Space, devices, *, exhausti
          top: int = 5, workers: int = 1, cache_dir: str | None = None,
          progress: Progress | None = None) -> Ranking:
   """Every candidate of `space` on `devices` (a GPU's, or CPU devices), the ones that fit
-  ranked by predicted step. `exhaustive` compiles every one whose state fits; otherwise each
-  is estimated first (`jaxllm.cost.estimate`), those whose floor of memory does not fit are
-  left out, and the rest compile best estimate first until the estimate, scaled by the
-  smallest ratio of compiled step to estimate seen so far, says none left can be among the
-  `top` best compiled. `progress` hears of each outcome decided, and of what a compiler
-  wrote that a search does not expect."""
+  ranked by predicted step. Each is estimated from its shapes first (`jaxllm.cost.estimate`,
+  on a profile with kernel rates) and compiled best estimate first, `workers` at a time (and
+  read from the program cache in `cache_dir`). `exhaustive` compiles every one whose state
+  fits; otherwise, as the compiled ones show how far the estimates err
+  (`estimate.Calibration`), those left whose estimate says they cannot fit, or cannot be among
+  the `top` best compiled, are left out uncompiled. `progress` hears of each outcome decided,
+  and of what a compiler wrote that a search does not expect."""
   progress = progress or Progress()
   usable = usable_memory(hardware)[0]
   outcomes = [Outcome(c, split, 'invalid' if reason else '', reason or '')
@@ -196,35 +198,28 @@ def rank(cfg: ConfigDict, hardware: Hardware, space: Space, devices, *, exhausti
     if o.why:
       continue
     key = state_key(o.config)
-    try:
-      if key not in shapes:
+    if key not in shapes:
+      try:
         shapes[key] = step_shapes(o.config, devices)
-    except ConfigError as e:  # a dimension that does not split over its mesh axes
-      shapes[key] = e
-    step = shapes[key]
-    if isinstance(step, ConfigError):
+      except ConfigError as e:  # a dimension that does not split over its mesh axes
+        shapes[key] = e
+    if isinstance(step := shapes[key], ConfigError):
       o.why, o.reason = 'invalid', str(step)
       continue
     state = sum(step.state_bytes.values())
     if state > usable:
       o.why, o.reason = 'state does not fit', f'{size_text(state)} of {size_text(usable)}'
-      continue
-    if hardware.rates is not None:
-      step = dataclasses.replace(step, cfg=o.config,
-                                 pipeline=pipeline_spec(o.config, o.config.mesh.pipe))
-      o.estimate = estimate(step, hardware)
-      if not exhaustive and o.estimate.memory > usable:
-        o.why, o.reason = 'cannot fit', f'at least {size_text(o.estimate.memory)}'
+    elif hardware.rates is not None:
+      o.estimate = estimate(dataclasses.replace(
+          step, cfg=o.config, pipeline=pipeline_spec(o.config, o.config.mesh.pipe)), hardware)
   progress.update(outcomes)
   pending = [o for o in outcomes if not o.why]
-  if pending and pending[0].estimate:  # best estimate first: the best compiled come early
-    pending.sort(key=lambda o: o.estimate.step_s)
   workers = max(1, min(workers, len(pending)))  # a process per compile at most
-  target = Target(hardware, len(devices), devices[0].platform)
-  compilers = Compilers(target, workers, cache_dir, devices)
+  compilers = Compilers(Target(hardware, len(devices), devices[0].platform), workers,
+                        cache_dir, devices)
   try:
-    _compile(pending, compilers, workers, usable, None if exhaustive else top, progress,
-             outcomes)
+    Search(outcomes, usable, None if exhaustive else top, progress).run(pending, compilers,
+                                                                        workers)
   finally:
     compilers.close()
   return Ranking(outcomes, top)
@@ -241,55 +236,73 @@ class Progress:
     print(line, file=sys.stderr)
 
 
-def _compile(pending: list[Outcome], compilers: Compilers, workers: int, usable: float,
-             top: int | None, progress: Progress, outcomes: list[Outcome]) -> None:
-  """Compiles `pending` in order, `workers` at a time; with `top`, leaves out each that
-  cannot be among the `top` best (see `rank`) when its turn comes."""
-  running: dict[concurrent.futures.Future, Outcome] = {}
-  queue = collections.deque(pending)
-  while queue or running:
-    while queue and len(running) < workers:
-      o = queue.popleft()
-      if top and (bound := _lower_bound(o, outcomes)) and bound > _best(outcomes, top):
-        o.why, o.reason = 'cannot win', f'estimated at least {seconds_text(bound)}'
-        progress.update(outcomes)
-        continue
-      running[compilers.submit(o.config)] = o
-    if not running:
-      break
-    done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-    for future in done:
-      o, attempt = running.pop(future), future.result()
-      for line in attempt.log:
-        progress.log(line)
-      o.compile_s, o.cached = attempt.compile_s, attempt.cached
-      if attempt.report is None:
-        o.why, o.reason = 'invalid', attempt.error
-      else:
-        o.report = attempt.report
-        if not attempt.report['fits']:
-          peak = attempt.report['memory']['peak']
-          o.why, o.reason = 'does not fit', f'{size_text(peak)} of {size_text(usable)}'
-      progress.update(outcomes)
+def kind(o: Outcome) -> tuple[str, str]:
+  """What the estimate errs alike on: the remat policy and the pipeline schedule."""
+  c = o.config
+  return c.model.remat, c.pipeline.schedule if c.mesh.pipe > 1 else '-'
 
 
-# The estimate's ratios to the compiled step are taken less this, for what the candidates
-# compiled so far do not show.
-MARGIN = 0.05
+@dataclasses.dataclass
+class Search:
+  """Compiles candidates, the most promising first; with `top`, leaves out uncompiled those
+  that cannot fit or cannot be among the `top` best (see `rank`)."""
+  outcomes: list[Outcome]
+  usable: float
+  top: int | None
+  progress: Progress
+  calibration: Calibration = dataclasses.field(default_factory=Calibration)
 
+  def run(self, pending: list[Outcome], compilers: Compilers, workers: int) -> None:
+    running: dict[concurrent.futures.Future, Outcome] = {}
+    while pending or running:
+      while pending and len(running) < workers:
+        if (o := self._next(pending)) is not None:
+          running[compilers.submit(o.config)] = o
+      if running:
+        done, _ = concurrent.futures.wait(running,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+          self._record(running.pop(future), future.result())
 
-def _lower_bound(o: Outcome, outcomes: list[Outcome]) -> float | None:
-  """The least step `o` may compile to: its estimate scaled by the smallest ratio of compiled
-  step to estimate yet (None before any)."""
-  ratios = [x.report['prediction']['step_s'] / x.estimate.step_s for x in outcomes
-            if x.report and x.estimate]
-  return o.estimate.step_s * min(ratios) * (1 - MARGIN) if ratios and o.estimate else None
+  def _next(self, pending: list[Outcome]) -> Outcome | None:
+    """Takes the candidate of least estimate (as calibrated) from `pending`; None when it
+    is left out instead."""
+    least = lambda o: (self.calibration.least_step(kind(o), o.estimate) or o.estimate.step_s
+                       ) if o.estimate else 0.0
+    o = min(pending, key=least)
+    pending.remove(o)
+    if self.top and o.estimate:
+      peak = self.calibration.least_peak(kind(o), o.estimate)
+      step = self.calibration.least_step(kind(o), o.estimate)
+      if peak and peak > self.usable:
+        o.why, o.reason = 'cannot fit', f'estimated at least {size_text(peak)}'
+      elif step and step > self._best():
+        o.why, o.reason = 'cannot win', f'estimated at least {seconds_text(step)}'
+      if o.why:
+        self.progress.update(self.outcomes)
+        return None
+    return o
 
+  def _record(self, o: Outcome, attempt) -> None:
+    for line in attempt.log:
+      self.progress.log(line)
+    o.compile_s, o.cached = attempt.compile_s, attempt.cached
+    if attempt.report is None:
+      o.why, o.reason = 'invalid', attempt.error
+    else:
+      o.report = attempt.report
+      peak, step = attempt.report['memory']['peak'], attempt.report['prediction']['step_s']
+      if o.estimate:
+        self.calibration.add(kind(o), o.estimate, step, peak)
+      if not attempt.report['fits']:
+        o.why, o.reason = 'does not fit', f'{size_text(peak)} of {size_text(self.usable)}'
+    self.progress.update(self.outcomes)
 
-def _best(outcomes: list[Outcome], top: int) -> float:
-  """The `top`-th best compiled step that fits (infinity until there are as many)."""
-  steps = sorted(o.report['prediction']['step_s'] for o in outcomes if o.report and not o.why)
-  return steps[top - 1] if len(steps) >= top else math.inf
+  def _best(self) -> float:
+    """The `top`-th best compiled step that fits (infinity until there are as many)."""
+    steps = sorted(o.report['prediction']['step_s'] for o in self.outcomes
+                   if o.report and not o.why)
+    return steps[self.top - 1] if len(steps) >= self.top else math.inf
 
 
 def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -> str:
