@@ -4,9 +4,10 @@ that no program is compiled twice (tune's candidates; a second search with one f
 compiles only the programs that changed). Reports are made from an entry afresh each time, so
 a change of the timing model or of a profile's rates needs no compile.
 
-The key is the lowered program (StableHLO, without source locations), the compiler's options,
-what the devices are (a GPU's target config, their count and hosts) and the versions of JAX and
-its compilers: anything else that changes the program changes the lowered text.
+The key is the lowered program (StableHLO, without source locations), the compiler's options
+and XLA_FLAGS, what the devices are (a GPU's target config, their count and hosts) and the
+versions of JAX and its compilers: anything else that changes the program changes the lowered
+text.
 
 Beside the entries, XLA's GPU compiler keeps its compiled kernels (`kernel_file`): programs that
 share kernels (candidates with the same shapes on a device) skip generating them again.
@@ -59,7 +60,8 @@ class ProgramCache:
 
   def key(self, lowered_text: str, options: dict) -> str:
     versions = {'jax': jax.__version__, 'jaxlib': jax.lib.__version__}
-    head = json.dumps([self.target, sorted(options.items()), versions], default=str)
+    xla_flags = os.environ.get('XLA_FLAGS', '')  # they change the compiled program
+    head = json.dumps([self.target, sorted(options.items()), versions, xla_flags], default=str)
     return hashlib.sha256(f'{head}\n{lowered_text}'.encode()).hexdigest()
 
   def _path(self, key: str) -> str:

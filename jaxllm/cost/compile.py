@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import resource
 
 import jax
@@ -55,6 +56,7 @@ class Compiled(Step):
   device: jax.Device           # one of the devices it was compiled for (their kind, platform)
   compile_s: float             # CPU seconds compiling it took (when it was compiled)
   cached: bool                 # read back from a ProgramCache, not compiled now
+  xla_flags: str = ''          # XLA_FLAGS as the compiler read them (the run's xla_flags too)
 
   @property
   def cpu(self) -> bool:
@@ -161,4 +163,5 @@ def compile_step(cfg: ConfigDict, devices=None, cache: ProgramCache | None = Non
       cache.put(key, entry)
   fields = {f.name: getattr(p.step, f.name) for f in dataclasses.fields(Step)}
   return Compiled(**fields, memory=entry.memory, text=entry.text, device=devices[0],
-                  compile_s=entry.compile_s, cached=cached)
+                  compile_s=entry.compile_s, cached=cached,
+                  xla_flags=os.environ.get('XLA_FLAGS', ''))
