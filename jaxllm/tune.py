@@ -213,19 +213,23 @@ class ProgressBar(Progress):
     self.stream.close()
 
   def update(self, outcomes: list[Outcome]) -> None:
-    decided = [o for o in outcomes if o.why or o.report]
-    compiled = sum(1 for o in outcomes if o.report)
-    left = collections.Counter(o.why for o in outcomes if o.why)
-    ranked = [o.report['prediction']['step_s'] for o in outcomes if o.report and not o.why]
     self.bar.total = len(outcomes)
-    self.bar.n = len(decided)
-    self.bar.set_postfix_str(
-        f'compiled {compiled}, left out {sum(left.values())} '
-        f'({", ".join(f"{n} {k}" for k, n in left.items())}), best '
-        f'{seconds_text(min(ranked)) if ranked else "–"}', refresh=True)
+    self.bar.n = sum(1 for o in outcomes if o.why or o.report)
+    self.bar.set_postfix_str(progress_text(outcomes), refresh=True)
 
   def log(self, line: str) -> None:
     self.bar.write(line, file=sys.stderr)
+
+
+def progress_text(outcomes: list[Outcome]) -> str:
+  """What the progress bar says beside its count of candidates decided: how many were
+  compiled, left out (by why) and the best predicted step of those that fit."""
+  compiled = sum(1 for o in outcomes if o.report)
+  left = collections.Counter(o.why for o in outcomes if o.why)
+  ranked = [o.report['prediction']['step_s'] for o in outcomes if o.report and not o.why]
+  return (f'compiled {compiled}, left out {sum(left.values())}'
+          + (f' ({", ".join(f"{n} {k}" for k, n in left.items())})' if left else '')
+          + f', best {seconds_text(min(ranked)) if ranked else "–"}')
 
 
 def cli() -> None:

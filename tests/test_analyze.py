@@ -3,7 +3,9 @@
 big-config path, the ranking, and bad input. More of the GPU's program: test_gpu_program."""
 
 import dataclasses
+import json
 import math
+import os
 import re
 import sys
 import types
@@ -18,6 +20,7 @@ from jaxllm import backends, tune
 from jaxllm.config import PIPELINE_SCHEDULES, ConfigError
 from jaxllm.cost import hlo
 from jaxllm.cost.compile import compile_step
+from jaxllm.cost.depth import extrapolate
 from jaxllm.cost.hardware import PROFILES, axes_across_nodes
 from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
@@ -413,6 +416,94 @@ def test_tune_says_why_when_no_candidate_compiles(monkeypatch, capfd):
   assert stopped.value.code == 2 and len(lines) == 1, lines
   assert 'no mesh of 2 devices fits h100-nvlink (7 invalid, most often: ' in lines[0]
   assert 'The head dim must be <= 256 and a multiple of 8, but got 4' in lines[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mesh, remat, schedule', [
+    (dict(data=2, fsdp=2), 'none', None), (dict(fsdp=2, tensor=2), 'full', None),
+    (dict(pipe=2, data=2), 'full', 'gpipe'), (dict(pipe=2, fsdp=2), 'none', '1f1b')])
+def test_depth_extrapolation_meets_the_full_compile(mesh, remat, schedule):
+  """The peak memory and predicted step of 8 layers, from the line through compiles of 2 and 3
+  layers a chunk (a pipeline's chunk: a stage's layers), are within 2% of 8 layers compiled;
+  with the same timing model, so its rates do not matter."""
+  cfg = small_config(**mesh)
+  cfg.model.update(num_layers=8, remat=remat)
+  if schedule:
+    cfg.pipeline.schedule = schedule
+  devices = jax.devices()[:4]
+  full = analyze(cfg, H100, devices)
+  line = extrapolate(cfg, H100, devices)
+  assert line.depths == (2, 3)
+  assert line.peak == pytest.approx(full['memory']['peak'], rel=0.02)
+  assert line.step_s == pytest.approx(full['prediction']['step_s'], rel=0.02)
+
+
+def run_tune_in_process(monkeypatch, *args):
+  """`jaxllm-tune --config configs/tiny.py *args` in this process (its output, not its start,
+  is the subject); returns its exit code (0 when it ended without one)."""
+  monkeypatch.chdir(REPO)
+  monkeypatch.setattr(sys, 'argv', ['jaxllm-tune', '--config', 'configs/tiny.py', *args])
+  try:
+    tune.cli()
+  except SystemExit as e:
+    return e.code
+  finally:
+    flags.FLAGS.unparse_flags()
+  return 0
+
+
+def test_tune_json_says_each_candidates_settings_figures_and_why_left_out(monkeypatch, capfd):
+  """--json on one device: the one mesh with 1 micro-batch ranked with its memory and
+  prediction, with 3 left out as invalid with the config's reason (3 does not divide the 16
+  rows), nothing but the JSON on stdout."""
+  code = run_tune_in_process(monkeypatch, '--devices', '1', '--remat', 'none',
+                             '--micro-batches', '1,3', '--cache=', '--workers=1', '--json')
+  out = capfd.readouterr().out
+  assert code == 0
+  search = json.loads(out)
+  assert (search['devices'], search['left_out'], search['compiled']) == (1, {'invalid': 1}, 1)
+  ranked, left = search['candidates']
+  mesh = {'data': 1, 'fsdp': 1, 'pipe': 1, 'tensor': 1}
+  assert ranked['rank'] == 1 and ranked['mesh'] == mesh and ranked['micro_batches'] == 1
+  assert ranked['remat'] == 'none' and ranked['pipeline'] == '-' and ranked['fits']
+  assert ranked['memory'] > 0 and ranked['prediction']['step_s'] > 0
+  assert 'left_out' not in ranked and 'rank' not in left
+  assert left['micro_batches'] == 3 and left['left_out'] == 'invalid'
+  assert 'micro_batches' in left['reason'] and '16' in left['reason'], left['reason']
+
+
+def test_tune_keeps_the_compilers_expected_warnings_from_the_terminal():
+  """What a compile writes to file descriptor 2 (as XLA's C++ logging does) is captured; the
+  rematerialization warning of a program that does not fit and the slow-compile alarm are
+  left out, anything else (a real error) is passed on."""
+  from jaxllm.cost.compilers import captured_stderr, unexpected
+  written = [
+      "W1126 21:57:31.638585   22121 hlo_rematerialization.cc:3231] Can't reduce memory use "
+      'below 60.68GiB (65151072847 bytes) by rematerialization; only reduced to 89.60GiB',
+      'E1126 23:17:00.729520   31607 slow_operation_alarm.cc:73] ',
+      '********************************',
+      '[Compiling module jit_train_step for GPU] Very slow compile? If you want to file a bug, '
+      'run with envvar XLA_FLAGS=--xla_dump_to=/tmp/foo and attach the results.',
+      'E1126 23:17:01.748817   31312 slow_operation_alarm.cc:140] The operation took 2m1.0s',
+      'E1126 23:17:02.000000   31312 gpu_compiler.cc:99] INTERNAL: ptxas exited with status 1']
+  with captured_stderr() as log:
+    os.write(2, ('\n'.join(written) + '\n').encode())
+  assert log == written
+  assert unexpected(log) == [written[-1]]
+
+
+def test_tune_progress_says_compiled_left_out_and_best():
+  """The progress bar's text: compiled candidates (those that do not fit among them), those
+  left out by why, and the best step of those that fit."""
+  from jaxllm.cost.tune import Outcome
+  compiled = lambda step, why='': Outcome(None, 'none', why, report={
+      'prediction': {'step_s': step}})
+  outcomes = [compiled(0.5), compiled(0.25), compiled(0.125, 'does not fit'),
+              Outcome(None, 'none', 'invalid'), Outcome(None, 'none', 'cannot win'),
+              Outcome(None, 'none')]
+  assert tune.progress_text(outcomes) == (
+      'compiled 3, left out 3 (1 does not fit, 1 invalid, 1 cannot win), best 250.00 ms')
+  assert tune.progress_text(outcomes[-1:]) == 'compiled 0, left out 0, best –'
 
 
 def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
