@@ -155,14 +155,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     return sums, grads, amaxes
 
   def accumulate(params, scales, batch, micro_grads=grad_fn, specs=None):
-    """Summed gradients, the amaxes' maxima, summed loss and token count over the
+    """Summed gradients (fp32), the amaxes' maxima, summed loss and token count over the
     micro-batches, in turn: `micro_grads(params, scales, micro_batch)` each, the gradients
     kept in `specs`' layout (the params')."""
     specs = nnx.get_partition_spec(params) if specs is None else specs
     pin = lambda g: jax.lax.with_sharding_constraint(g, specs)
+    # fp32 whatever the parameters' dtype: bf16 sums of many micro-batches lose the small ones,
+    # and so would the all-reduce over data of one micro-batch's (`gradients`)
     if micro_batches == 1:
       (loss_sum, tokens), grads, amaxes = micro_grads(params, scales, batch)
-      return pin(grads), amaxes, loss_sum, tokens
+      return pin(jax.tree.map(lambda g: g.astype(jnp.float32), grads)), amaxes, loss_sum, tokens
 
     def add_micro_batch(carry, micro_batch):
       grads, amaxes, loss_sum, tokens = carry
@@ -171,7 +173,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
       amaxes = jax.tree.map(jnp.maximum, amaxes, mb_amaxes)
       return (grads, amaxes, loss_sum + mb_loss, tokens + mb_tokens), None
 
-    # fp32 whatever the parameters' dtype: bf16 sums of many micro-batches lose the small ones
     zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     no_amaxes = jax.tree.map(jnp.zeros_like, scales)
     micro = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)

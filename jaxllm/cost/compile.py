@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from jaxllm.backends import compiler_options, lowering_for
+from jaxllm.backends import compiler_options, compiling_for, lowering_for
 from jaxllm.checkpoint import restore_target
 from jaxllm.config import ConfigError
 from jaxllm.cost.cache import Entry, MemoryStats, ProgramCache
@@ -144,7 +144,8 @@ def compile_step(cfg: ConfigDict, devices=None, cache: ProgramCache | None = Non
     raise ConfigError(f"model.attention='cudnn' on {devices[0].device_kind}: "
                       f"{str(e).rstrip('.')}; use model.attention='xla' or change the model's "
                       'shapes.') from None
-  options = {**COMPILE_OPTIONS, **compiler_options(cfg.model, devices[0].platform)}
+  options = {**COMPILE_OPTIONS, **compiler_options(cfg.model, devices[0].platform,
+                                                    p.step.pipeline is not None)}
   entry = key = None
   if cache:
     key = cache.key(lowered.as_text(), options)
@@ -154,7 +155,8 @@ def compile_step(cfg: ConfigDict, devices=None, cache: ProgramCache | None = Non
   cached = entry is not None
   if not cached:
     start = cpu_seconds()
-    executable = lowered.compile(options)
+    with compiling_for(devices):
+      executable = lowered.compile(options)
     stats = executable.memory_analysis()
     memory = MemoryStats(stats.argument_size_in_bytes, stats.output_size_in_bytes,
                          stats.alias_size_in_bytes, stats.temp_size_in_bytes)
