@@ -443,6 +443,7 @@ def test_depth_extrapolation_meets_the_full_compile(mesh, remat, schedule):
   assert line.step_s == pytest.approx(full['prediction']['step_s'], rel=0.02)
 
 
+@pytest.mark.slow
 def test_tune_json_says_each_candidates_settings_figures_and_why_left_out():
   """--json on one device: the one mesh with 1 micro-batch ranked with its memory and
   prediction, with 3 left out as invalid with the config's reason (3 does not divide the 16
