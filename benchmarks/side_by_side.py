@@ -75,8 +75,7 @@ def main(argv: list[str]) -> None:
   print('|---|---|---:|---:|')
   for remat in _REMAT.value:
     c = compile_step(tune.with_fields(cfg, {'model.remat': remat}), gpus)
-    print(row(f'jaxllm, remat {remat}', c.text, devices, hardware,
-              report.peak_bytes(c.executable)), flush=True)
+    print(row(f'jaxllm, remat {remat}', c.text, devices, hardware, c.memory.peak), flush=True)
   if other:
     print(row('other', other, devices, hardware,
               _OTHER_MEMORY.value * 2**30 if _OTHER_MEMORY.value else None))

@@ -44,7 +44,8 @@ DEVICE_MEMORY = flags.DEFINE_float('device-memory', 0.0,
 COMPILER = flags.DEFINE_enum(
     'compiler', 'gpu', ['gpu', 'cpu'], "Whose program to read: 'gpu' compiles for the profile's "
     "GPU (no GPU needed), 'cpu' the CPU compiler's, on simulated CPU devices.")
-_JSON = flags.DEFINE_bool('json', False, 'Print the report as JSON.')
+JSON = flags.DEFINE_bool('json', False, 'Print the report as JSON (tune: every candidate, ranked or '
+                           'left out and why).')
 _DUMP = flags.DEFINE_string('dump', '', 'Write the compiled program (HLO text) and the report '
                             'into this new directory.')
 _HLO = flags.DEFINE_string(
@@ -171,7 +172,7 @@ def main(argv: list[str]) -> None:
   if any(a == '--hlo' or a.startswith('--hlo=') for a in argv[1:]):
     text, hardware, devices, per_node = read_hlo_flags(argv)
     r = program_report(text, hardware, devices, per_node)
-    print(json.dumps(r, indent=2) if _JSON.value else format_program_report(r))
+    print(json.dumps(r, indent=2) if JSON.value else format_program_report(r))
     return
   cfg, hardware, devices = parse_and_place(argv)
   if _DUMP.value:
@@ -180,7 +181,7 @@ def main(argv: list[str]) -> None:
   r = report(compiled, hardware)
   if cfg.model.fp8 != 'none' and r['prediction']:
     r['fp8_speedup'] = fp8_speedup(cfg, devices, hardware, r['prediction'])
-  print(json.dumps(r, indent=2) if _JSON.value else format_report(r))
+  print(json.dumps(r, indent=2) if JSON.value else format_report(r))
   if _DUMP.value:
     write_dump(_DUMP.value, compiled, r)
 

@@ -101,10 +101,13 @@ def compiling_for(devices):
 def compilation_cache_dir(setting: str) -> str:
   """The directory `compilation_cache` names: 'auto' is jaxllm/compilation under the user's
   cache directory."""
-  if setting == 'auto':
-    user_cache = os.environ.get('XDG_CACHE_HOME') or os.path.join('~', '.cache')
-    setting = os.path.join(user_cache, 'jaxllm', 'compilation')
-  return os.path.expanduser(setting)
+  return user_cache('compilation') if setting == 'auto' else os.path.expanduser(setting)
+
+
+def user_cache(name: str) -> str:
+  """jaxllm/`name` under the user's cache directory (XDG_CACHE_HOME, else ~/.cache)."""
+  root = os.environ.get('XDG_CACHE_HOME') or os.path.join('~', '.cache')
+  return os.path.expanduser(os.path.join(root, 'jaxllm', name))
 
 
 @contextlib.contextmanager
@@ -167,10 +170,14 @@ def gpu_devices(hardware, count: int) -> list:
   nodes = max(1, count // per_node)
   from jax.experimental import topologies
   topology = topologies.get_topology_desc(
-      platform='cuda', topology=f'1x{nodes}x{count // nodes}',
-      target_config=hardware.gpu.target_config(hardware.memory, installed_cudnn(),
-                                                plugin_cuda()))
+      platform='cuda', topology=f'1x{nodes}x{count // nodes}', target_config=gpu_target(hardware))
   return topology.devices
+
+
+def gpu_target(hardware) -> str:
+  """The GPU `gpu_devices` compiles for, as XLA's GPU compiler is told of it (its target
+  config): what, beside the program, decides what the compiler makes."""
+  return hardware.gpu.target_config(hardware.memory, installed_cudnn(), plugin_cuda())
 
 
 def is_compile_only(device) -> bool:

@@ -2,26 +2,36 @@
 
 Tries every mesh data·fsdp·pipe·tensor = N that the model allows, with each remat policy,
 micro-batch count, ZeRO stage, sequence or context split, loss chunk and (on meshes with
-pipe > 1) pipeline schedule asked for: compiles each from shapes for the profile's GPU (as
-`jaxllm.analyze` does, with its --compiler and --devices), drops those that do not fit what a
-process may use of the device's memory, and ranks the rest by predicted step time.
+pipe > 1) pipeline schedule asked for, and ranks those that fit what a process may use of the
+device's memory by predicted step time. Each candidate is first estimated from its shapes
+(`jaxllm.cost.estimate`); those the estimate rules out are left out, the rest are compiled from
+shapes for the profile's GPU (as `jaxllm.analyze` does, with its --compiler and --devices), best
+estimate first, in parallel processes, each compiled program kept in a cache. `--exhaustive`
+compiles every one. A progress bar says how far it is; `--json` prints every candidate.
 `--measure K` then runs the best K for a few real steps on the devices present, beside the
 prediction.
 """
 
 from __future__ import annotations
 
+import collections
+import json
+import math
+import os
+import sys
 import time
 
 import jax
 from absl import flags
 from ml_collections import ConfigDict
+from tqdm import tqdm
 
 from jaxllm import analyze
+from jaxllm.backends import user_cache
 from jaxllm.cli import main_guard
 from jaxllm.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ConfigError
 from jaxllm.cost.report import seconds_text
-from jaxllm.cost.tune import SPLITS, Space, format_table, rank
+from jaxllm.cost.tune import LEFT_OUT, SPLITS, Outcome, Progress, Space, format_table, rank
 from jaxllm.parallel.mesh import sharding_context
 from jaxllm.train import setup
 
@@ -37,6 +47,15 @@ _LOSS_CHUNK = flags.DEFINE_list('loss-chunk', [],
 _SCHEDULES = flags.DEFINE_list('schedules', list(PIPELINE_SCHEDULES),
                                'pipeline.schedule values to try on meshes with pipe > 1 '
                                '(circular and interleaved_1f1b with repeats=2).')
+_EXHAUSTIVE = flags.DEFINE_bool('exhaustive', False, 'Compile every candidate whose state fits, '
+                                'none left out by its estimate.')
+_TOP = flags.DEFINE_integer('top', 5, 'The best this many are ranked in their exact order (the '
+                            'rest of the table may lack candidates the estimate left out).')
+_WORKERS = flags.DEFINE_integer('workers', 0, 'Compile in this many processes (default: one '
+                                'per CPU core, at most 4).')
+_CACHE = flags.DEFINE_string('cache', 'auto', 'Where compiled programs are kept and read back '
+                             "('auto': jaxllm/programs in the user's cache directory; '': "
+                             'nowhere).')
 
 
 def _integers(flag, at_least: int, example: str) -> tuple[int, ...]:
@@ -58,6 +77,10 @@ def check_flags() -> Space:
     raise ConfigError(f'--measure={_MEASURE.value} must be at least 0 (0: rank only).')
   if _MEASURE_STEPS.value < 1:
     raise ConfigError(f'--measure-steps={_MEASURE_STEPS.value} must be at least 1.')
+  if _TOP.value < 1:
+    raise ConfigError(f'--top={_TOP.value} must be at least 1.')
+  if _WORKERS.value < 0:
+    raise ConfigError(f'--workers={_WORKERS.value} must be at least 1 (0: one per CPU core).')
   remats = _REMAT.value
   if not remats:
     raise ConfigError(f'--remat is empty; give policies to try, from {", ".join(REMAT_POLICIES)}.')
@@ -106,11 +129,25 @@ def main(argv: list[str]) -> None:
     raise ConfigError(f'--measure runs the candidates on the devices present, '
                       f'{jax.device_count()} × {jax.devices()[0].device_kind}; rank for as many '
                       f'(--devices {jax.device_count()}) or leave --measure out.')
-  rows, skipped = rank(cfg, hardware, space, devices)
+  start = time.perf_counter()
+  with ProgressBar() as bar:
+    ranking = rank(cfg, hardware, space, devices, exhaustive=_EXHAUSTIVE.value, top=_TOP.value,
+                   workers=_WORKERS.value or min(4, len(os.sched_getaffinity(0))),
+                   cache_dir=cache_directory(_CACHE.value), progress=bar)
+  rows, skipped = ranking.rows, ranking.counts()
+  if analyze.JSON.value:
+    print(json.dumps(search_json(ranking, hardware, len(devices), time.perf_counter() - start),
+                     indent=1))
   if not rows:
-    raise ConfigError(f'no mesh of {len(devices)} devices fits {hardware.name} '
-                      f'({", ".join(f"{v} {k}" for k, v in skipped.items() if v)}); use more '
-                      'devices, a larger --device-memory, or a smaller model or batch.')
+    left = ", ".join(f"{v} {k}" for k, v in skipped.items() if v)
+    if list(skipped) == ['invalid']:  # the config's own errors: the commonest says what to fix
+      reasons = collections.Counter(o.reason for o in ranking.outcomes)
+      raise ConfigError(f'no mesh of {len(devices)} devices fits {hardware.name} ({left}, most '
+                        f'often: {reasons.most_common(1)[0][0]})')
+    raise ConfigError(f'no mesh of {len(devices)} devices fits {hardware.name} ({left}); use '
+                      'more devices, a larger --device-memory, or a smaller model or batch.')
+  if analyze.JSON.value:
+    return
   print(format_table(rows, skipped, hardware, devices))
   if _MEASURE.value:
     print(f'measured on {jax.device_count()} × {jax.devices()[0].device_kind}, '
@@ -121,6 +158,78 @@ def main(argv: list[str]) -> None:
             f'{r["remat"]}  micro {r["micro_batches"]}  zero {r["zero"]}  split {r["split"]}  '
             f'chunk {r["loss_chunk"]}  pipeline {r["pipeline"]}: measured {seconds_text(seconds)}'
             f' per step, predicted {seconds_text(r["step_s"])} on {hardware.name}')
+
+
+def cache_directory(setting: str) -> str | None:
+  """The directory --cache names ('auto': the user's cache; '': none)."""
+  if not setting:
+    return None
+  return user_cache('programs') if setting == 'auto' else os.path.expanduser(setting)
+
+
+def outcome_json(o: Outcome) -> dict:
+  """One candidate for --json: its settings, and its report's figures or why it was left out."""
+  d = o.settings()
+  if o.why:
+    d.update(left_out=o.why, reason=o.reason)
+  if o.report:
+    d.update(memory=o.report['memory']['peak'], fits=o.report['fits'],
+             prediction={k: v for k, v in o.report['prediction'].items() if k != 'top_kernels'},
+             compile_s=o.compile_s, cached=o.cached)
+  if o.estimate:
+    d['estimate'] = {'step_s': o.estimate.step_s, 'memory_floor': o.estimate.memory}
+  return d
+
+
+def search_json(ranking, hardware, devices: int, seconds: float) -> dict:
+  """The whole search for --json: ranked candidates best first, then those left out."""
+  ranked = {id(r['config']): i for i, r in enumerate(ranking.rows, 1)}
+  candidates = []
+  for o in ranking.outcomes:
+    d = outcome_json(o)
+    if id(o.config) in ranked:
+      d['rank'] = ranked[id(o.config)]
+    candidates.append(d)
+  candidates.sort(key=lambda d: (d.get('rank', math.inf)))
+  return {'hardware': hardware.name, 'devices': devices, 'top_in_order': ranking.top,
+          'left_out': ranking.counts(), 'why': LEFT_OUT, 'seconds': seconds,
+          'compiled': sum(1 for o in ranking.outcomes if o.report and not o.cached),
+          'cached': sum(1 for o in ranking.outcomes if o.cached), 'candidates': candidates}
+
+
+class ProgressBar(Progress):
+  """tqdm over the candidates: how many are decided, compiled and left out (by why), and the
+  best step so far; on a terminal only. It writes to its own copy of stderr, which the
+  compilers' capture of file descriptor 2 leaves alone."""
+
+  def __enter__(self):
+    self.stream = os.fdopen(os.dup(2), 'w')
+    self.bar = tqdm(total=0, unit=' candidates', file=self.stream, disable=None,
+                    dynamic_ncols=True)
+    return self
+
+  def __exit__(self, *_):
+    self.bar.close()
+    self.stream.close()
+
+  def update(self, outcomes: list[Outcome]) -> None:
+    self.bar.total = len(outcomes)
+    self.bar.n = sum(1 for o in outcomes if o.why or o.report)
+    self.bar.set_postfix_str(progress_text(outcomes), refresh=True)
+
+  def log(self, line: str) -> None:
+    self.bar.write(line, file=sys.stderr)
+
+
+def progress_text(outcomes: list[Outcome]) -> str:
+  """What the progress bar says beside its count of candidates decided: how many were
+  compiled, left out (by why) and the best predicted step of those that fit."""
+  compiled = sum(1 for o in outcomes if o.report)
+  left = collections.Counter(o.why for o in outcomes if o.why)
+  ranked = [o.report['prediction']['step_s'] for o in outcomes if o.report and not o.why]
+  return (f'compiled {compiled}, left out {sum(left.values())}'
+          + (f' ({", ".join(f"{n} {k}" for k, n in left.items())})' if left else '')
+          + f', best {seconds_text(min(ranked)) if ranked else "–"}')
 
 
 def cli() -> None:

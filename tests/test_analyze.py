@@ -5,6 +5,7 @@ big-config path, the ranking, and bad input. More of the GPU's program: test_gpu
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 import types
@@ -19,6 +20,7 @@ from jaxllm import backends, tune
 from jaxllm.config import PIPELINE_SCHEDULES, ConfigError
 from jaxllm.cost import hlo
 from jaxllm.cost.compile import compile_step
+from jaxllm.cost.depth import extrapolate
 from jaxllm.cost.hardware import PROFILES, axes_across_nodes
 from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
@@ -287,7 +289,8 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config, monke
   """On 4 devices (every candidate is a compile): each of the 10 meshes with 1 micro-batch,
   none with 3, which do not divide the 16 rows. `measure` times the best two's own steps."""
   devices = jax.devices()[:4]
-  rows, skipped = rank(tiny_config, H100, Space(('none',), (1, 3)), devices)
+  ranking = rank(tiny_config, H100, Space(('none',), (1, 3)), devices, exhaustive=True)
+  rows, skipped = ranking.rows, ranking.counts()
   steps = [r['step_s'] for r in rows]
   assert steps == sorted(steps)
   assert sorted(tuple(r['mesh'][a] for a in ('data', 'fsdp', 'pipe', 'tensor')) for r in rows) == (
@@ -347,6 +350,152 @@ def measure_on_a_clock(cfg, steps, devices, monkeypatch):
   monkeypatch.setattr(tune, 'time', types.SimpleNamespace(perf_counter=lambda: clock[0]))
   seconds = tune.measure(cfg, steps=steps, devices=devices)
   return seconds, runs[0], len(ran), len(drawn)
+
+
+@pytest.mark.slow
+def test_tune_ranks_as_compiling_every_candidate_does_and_recompiles_what_changed(
+    tiny_config, tmp_path):
+  """The search, which compiles only what its estimates cannot rule out, ranks the best as an
+  exhaustive one does; every program compiled is kept in the cache, and a search with one
+  flag changed (--remat none, then none,full) compiles only the programs that are new."""
+  devices, cache = jax.devices()[:4], str(tmp_path / 'programs')
+  search = lambda remat, **kw: rank(tiny_config, H100, Space(remat), devices, cache_dir=cache,
+                                    **kw)
+  compiled = lambda ranking: [o for o in ranking.outcomes if o.report]
+  first = search(('none',), exhaustive=True)
+  assert compiled(first) and not any(o.cached for o in compiled(first))
+  every = search(('none', 'full'), exhaustive=True)
+  assert {o.cached for o in compiled(every) if o.config.model.remat == 'none'} == {True}
+  assert {o.cached for o in compiled(every) if o.config.model.remat == 'full'} == {False}
+  fast = search(('none', 'full'), top=3)
+  assert {o.cached for o in compiled(fast)} == {True}
+  assert len(compiled(fast)) < len(compiled(every))
+  best = lambda ranking: [(r['mesh'], r['remat'], r['pipeline'], r['step_s'])
+                          for r in ranking.rows[:3]]
+  assert best(fast) == best(every)
+  assert set(fast.counts()) >= {'cannot win'}, fast.counts()
+
+
+def test_tune_lays_each_mesh_over_the_hosts_as_the_config_says(tiny_config):
+  """16 H100s are two nodes: with mesh.across_hosts='data' a mesh with data=1 cannot be laid
+  over them, and is left out with the config's reason (as a run would be refused) instead of
+  ending the search when its compile raised."""
+  tiny_config.mesh.across_hosts = 'data'
+  found = list(candidates(tiny_config, 16, Space(('none',)), hosts=2))
+  refused = {c.mesh.data for c, _, reason in found if reason and 'across_hosts' in reason}
+  assert refused == {1}
+  assert all(reason is None for c, _, reason in found if c.mesh.data == 2 and c.mesh.pipe == 1
+             and c.mesh.fsdp * c.mesh.tensor == 8 and c.mesh.tensor <= 4), found
+  reason = next(r for c, _, r in found if c.mesh.data == 1)
+  assert reason.startswith("mesh.across_hosts='data': the devices are on 2 hosts but data=1 ")
+
+
+def test_tune_goes_on_past_a_candidate_that_cannot_compile(tiny_config, monkeypatch):
+  """A compile that raises leaves its candidate out as invalid, with the error's first line,
+  and the search goes on: here every compile but the third raises."""
+  real, calls = compile_step, []
+
+  def fails_but_the_third(cfg, devices=None, cache=None):
+    calls.append(cfg)
+    if len(calls) != 3:
+      raise RuntimeError('RESOURCE_EXHAUSTED: the compiler gave up\nits details')
+    return real(cfg, devices, cache)
+
+  monkeypatch.setattr('jaxllm.cost.compile.compile_step', fails_but_the_third)
+  ranking = rank(tiny_config, H100, Space(('none',)), jax.devices()[:2], exhaustive=True)
+  assert len(calls) == 4 and ranking.counts() == {'invalid': 3}
+  assert [r['config'] for r in ranking.rows] == [calls[2]]
+  assert {o.reason for o in ranking.outcomes if o.why} == {
+      'RuntimeError: RESOURCE_EXHAUSTED: the compiler gave up'}
+
+
+def test_tune_says_why_when_no_candidate_compiles():
+  """cuDNN refuses a head dimension of 4 on every mesh: each of the 7 candidates (4 meshes, 4
+  schedules on pipe=2) is left out with that reason, and the command says it in its one
+  line (run in this process: its exit, not its start, is the subject)."""
+  result = run_cli_in_process(
+      '--config', 'configs/tiny.py', '--devices', '2', '--remat', 'none', '--micro-batches', '1',
+      '--config.model.attention=cudnn', '--config.model.dtype=bfloat16',
+      '--config.model.head_dim=4', '--cache=', '--workers=1', module='jaxllm.tune')
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and len(lines) == 1, lines
+  assert 'no mesh of 2 devices fits h100-nvlink (7 invalid, most often: ' in lines[0]
+  assert 'The head dim must be <= 256 and a multiple of 8, but got 4' in lines[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mesh, remat, schedule', [
+    (dict(data=2, fsdp=2), 'none', None), (dict(fsdp=2, tensor=2), 'full', None),
+    (dict(pipe=2, data=2), 'full', 'gpipe'), (dict(pipe=2, fsdp=2), 'none', '1f1b')])
+def test_depth_extrapolation_meets_the_full_compile(mesh, remat, schedule):
+  """The peak memory and predicted step of 8 layers, from the line through compiles of 2 and 3
+  layers a chunk (a pipeline's chunk: a stage's layers), are within 2% of 8 layers compiled;
+  with the same timing model, so its rates do not matter."""
+  cfg = small_config(**mesh)
+  cfg.model.update(num_layers=8, remat=remat)
+  if schedule:
+    cfg.pipeline.schedule = schedule
+  devices = jax.devices()[:4]
+  full = analyze(cfg, H100, devices)
+  line = extrapolate(cfg, H100, devices)
+  assert line.depths == (2, 3)
+  assert line.peak == pytest.approx(full['memory']['peak'], rel=0.02)
+  assert line.step_s == pytest.approx(full['prediction']['step_s'], rel=0.02)
+
+
+@pytest.mark.slow
+def test_tune_json_says_each_candidates_settings_figures_and_why_left_out():
+  """--json on one device: the one mesh with 1 micro-batch ranked with its memory and
+  prediction, with 3 left out as invalid with the config's reason (3 does not divide the 16
+  rows), nothing but the JSON on stdout."""
+  result = run_cli_in_process('--config', 'configs/tiny.py', '--devices', '1', '--remat', 'none',
+                              '--micro-batches', '1,3', '--cache=', '--workers=1', '--json',
+                              module='jaxllm.tune')
+  assert result.returncode == 0, result.stderr
+  search = json.loads(result.stdout)
+  assert (search['devices'], search['left_out'], search['compiled']) == (1, {'invalid': 1}, 1)
+  ranked, left = search['candidates']
+  mesh = {'data': 1, 'fsdp': 1, 'pipe': 1, 'tensor': 1}
+  assert ranked['rank'] == 1 and ranked['mesh'] == mesh and ranked['micro_batches'] == 1
+  assert ranked['remat'] == 'none' and ranked['pipeline'] == '-' and ranked['fits']
+  assert ranked['memory'] > 0 and ranked['prediction']['step_s'] > 0
+  assert 'left_out' not in ranked and 'rank' not in left
+  assert left['micro_batches'] == 3 and left['left_out'] == 'invalid'
+  assert 'micro_batches' in left['reason'] and '16' in left['reason'], left['reason']
+
+
+def test_tune_keeps_the_compilers_expected_warnings_from_the_terminal():
+  """What a compile writes to file descriptor 2 (as XLA's C++ logging does) is captured; the
+  rematerialization warning of a program that does not fit and the slow-compile alarm are
+  left out, anything else (a real error) is passed on."""
+  from jaxllm.cost.compilers import captured_stderr, unexpected
+  written = [
+      "W1126 21:57:31.638585   22121 hlo_rematerialization.cc:3231] Can't reduce memory use "
+      'below 60.68GiB (65151072847 bytes) by rematerialization; only reduced to 89.60GiB',
+      'E1126 23:17:00.729520   31607 slow_operation_alarm.cc:73] ',
+      '********************************',
+      '[Compiling module jit_train_step for GPU] Very slow compile? If you want to file a bug, '
+      'run with envvar XLA_FLAGS=--xla_dump_to=/tmp/foo and attach the results.',
+      'E1126 23:17:01.748817   31312 slow_operation_alarm.cc:140] The operation took 2m1.0s',
+      'E1126 23:17:02.000000   31312 gpu_compiler.cc:99] INTERNAL: ptxas exited with status 1']
+  with captured_stderr() as log:
+    os.write(2, ('\n'.join(written) + '\n').encode())
+  assert log == written
+  assert unexpected(log) == [written[-1]]
+
+
+def test_tune_progress_says_compiled_left_out_and_best():
+  """The progress bar's text: compiled candidates (those that do not fit among them), those
+  left out by why, and the best step of those that fit."""
+  from jaxllm.cost.tune import Outcome
+  compiled = lambda step, why='': Outcome(None, 'none', why, report={
+      'prediction': {'step_s': step}})
+  outcomes = [compiled(0.5), compiled(0.25), compiled(0.125, 'does not fit'),
+              Outcome(None, 'none', 'invalid'), Outcome(None, 'none', 'cannot win'),
+              Outcome(None, 'none')]
+  assert tune.progress_text(outcomes) == (
+      'compiled 3, left out 3 (1 does not fit, 1 invalid, 1 cannot win), best 250.00 ms')
+  assert tune.progress_text(outcomes[-1:]) == 'compiled 0, left out 0, best –'
 
 
 def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):

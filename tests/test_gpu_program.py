@@ -362,10 +362,9 @@ def test_memory_verdict_is_what_a_process_may_use(monkeypatch, one_b_program):
   accumulated = report(compile_step(one_b_width(micro_batches=8, rows=48), one_h100), H100)
   assert accumulated['fits'] and accumulated['memory']['peak'] < whole['memory']['peak'] / 3
   # The buffer assignment holds the state and the batch as the step's arguments.
-  stats = one_b_program.executable.memory_analysis()
   state = one_b_program.state_bytes['params'] + one_b_program.state_bytes['optimizer']
   batch = one_b_program.cfg.train.global_batch * 4096 * 4 * 4  # inputs, targets, positions, mask
-  assert stats.argument_size_in_bytes == pytest.approx(state + batch, abs=1024)
+  assert one_b_program.memory.arguments == pytest.approx(state + batch, abs=1024)
 
 
 def test_a_bad_mem_fraction_is_one_line(monkeypatch):

@@ -251,7 +251,7 @@ TABLE = {
         run_by(ANALYZE, note='a syntax summary: FILE a program compiled for 8 H100s here'),
     'python -m jaxllm.tune --config configs/tiny.py [--devices N] [--remat none,full] '
     '[--micro-batches 1,2] [--zero 0,1,2] [--splits none,sp,sp_cm,cp,cp_sp] [--loss-chunk 0,1024] '
-    '[--schedules gpipe,1f1b,circular,interleaved_1f1b] [--measure 2]':
+    '[--schedules gpipe,1f1b,circular,interleaved_1f1b] [--measure 2] [--exhaustive] [--json]':
         run_by(ANALYZE, note='a syntax summary: with --devices 1 --remat none --micro-batches 1 '
                '(bracket-free it is 128 compiles; 80 took 9 CPU-minutes)'),
     # Notebooks

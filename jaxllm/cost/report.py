@@ -56,14 +56,6 @@ def collective_table(c: Compiled, hardware: Hardware) -> tuple[list[dict], list[
   return rows, totals
 
 
-def peak_bytes(executable: jax.stages.Compiled) -> int:
-  """A compiled program's peak bytes per device by the compiler's own analysis: arguments and
-  outputs (donated ones once) plus temporaries."""
-  stats = executable.memory_analysis()
-  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-
-
 def memory(c: Compiled) -> dict[str, float]:
   """Per-device bytes: state from its shardings, the rest from the compiler's buffer
   assignment."""
@@ -72,8 +64,7 @@ def memory(c: Compiled) -> dict[str, float]:
     gradients -= c.zero_split_bytes * (1 - 1 / c.mesh_shape['data'])
   return {'params': c.state_bytes['params'], 'optimizer': c.state_bytes['optimizer'],
           'gradients': gradients,
-          'temporaries': c.executable.memory_analysis().temp_size_in_bytes,
-          'peak': peak_bytes(c.executable)}
+          'temporaries': c.memory.temporaries, 'peak': c.memory.peak}
 
 
 def attention(c: Compiled) -> dict:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxllm.cost.compile import Compiled
+from jaxllm.cost.compile import Step
 from jaxllm.model.loss import splits_vocabulary
 from jaxllm.parallel.rules import parts
 
 
-def expected_bytes(c: Compiled) -> dict[tuple[str, ...], float]:
+def expected_bytes(c: Step) -> dict[tuple[str, ...], float]:
   """Analytic bytes each device sends per step over each single mesh axis (ring collectives, as
   README.md's "See before you launch" tabulates them; 2(N−1)/N is nccl-tests' bus-bandwidth
   factor for all-reduce, doc/PERFORMANCE.md).

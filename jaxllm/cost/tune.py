@@ -5,23 +5,25 @@ for a few real steps)."""
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import copy
 import dataclasses
 import itertools
+import math
+import sys
 
 from ml_collections import ConfigDict
 
 from jaxllm.backends import is_compile_only
-from jaxllm.checkpoint import restore_target
 from jaxllm.config import MESH_AXES, ROUND_TRIP_SCHEDULES, ConfigError
-from jaxllm.cost.compile import shard_bytes
+from jaxllm.cost.compile import step_shapes
+from jaxllm.cost.compilers import Compilers, Target
+from jaxllm.cost.estimate import Calibration, Estimate, estimate
 from jaxllm.cost.hardware import Hardware, usable_memory
-from jaxllm.cost.report import analyze, program_text, seconds_text, size_text
-from jaxllm.optim import make_optimizer
-from jaxllm.parallel.mesh import make_mesh
-from jaxllm.parallel.rules import derive
+from jaxllm.cost.report import program_text, seconds_text, size_text
+from jaxllm.parallel.mesh import host_split, hosts
 from jaxllm.pipeline.spec import pipeline_spec
-from jaxllm.step import state_shapes
 from jaxllm.validate import validate
 
 
@@ -70,8 +72,9 @@ class Space:
   schedules: tuple[str, ...] = ()
 
 
-def candidates(cfg: ConfigDict, devices: int, space: Space):
-  """(config, split, reason) for every combination: reason is None when the config is valid."""
+def candidates(cfg: ConfigDict, devices: int, space: Space, hosts: int = 1):
+  """(config, split, reason) for every combination on `devices` devices of `hosts` hosts:
+  reason is None when the config is valid."""
   pipe = MESH_AXES.index('pipe')
   # A mesh with pipe=1 runs no schedule: one candidate each, the config's (None).
   meshes = [(sizes, schedule) for sizes in factorisations(devices, len(MESH_AXES))
@@ -100,6 +103,7 @@ def candidates(cfg: ConfigDict, devices: int, space: Space):
       continue
     try:
       validate(c, dict(c.mesh))
+      host_split(dict(c.mesh), hosts, c.mesh.across_hosts)  # the mesh laid out over the hosts
     except ConfigError as e:
       yield c, split, str(e)
       continue
@@ -114,46 +118,196 @@ def pipeline_text(c: ConfigDict) -> str:
   return p.schedule + (f'×{p.repeats}' if p.repeats > 1 else '')
 
 
-def state_fits(c: ConfigDict, hardware: Hardware, devices) -> bool:
-  """Whether parameters and optimizer state alone fit (from shapes, without compiling)."""
-  mesh = make_mesh(dict(c.mesh), devices)
-  layout = derive(c.sharding.rules, dict(c.mesh), c.model, c.sharding.zero)
-  tx = make_optimizer(c.optim, c.train.steps)
-  _, abstract, shardings = state_shapes(c.model, tx, mesh, layout.rules, c.train.seed,
-                                        pipeline_spec(c, c.mesh.pipe), layout.zero)
-  state = restore_target(abstract, shardings)
-  return shard_bytes(state) <= usable_memory(hardware)[0]
+LEFT_OUT = {  # why a candidate is not ranked, as the table counts them
+    'invalid': 'the config refuses it, or it does not compile',
+    'state does not fit': 'its parameters and optimizer state alone do not fit',
+    'cannot fit': 'estimated, as the compiled of its kind show the estimate errs: does not fit',
+    'does not fit': 'compiled: its peak does not fit',
+    'cannot win': 'estimated, as the compiled of its kind show the estimate errs: slower than '
+                  'the best compiled',
+}
 
 
-def rank(cfg: ConfigDict, hardware: Hardware, space: Space, devices):
-  """The candidates that fit, best first, as rows; and how many were left out, and why.
-  `devices`: those to compile for (a GPU's, or CPU devices)."""
-  rows, skipped = [], {'invalid': 0, 'state does not fit': 0, 'does not fit': 0}
-  for c, split, reason in candidates(cfg, len(devices), space):
-    if reason:
-      skipped['invalid'] += 1
+@dataclasses.dataclass
+class Outcome:
+  """One candidate and what became of it: ranked (`why` empty, `report` set) or left out."""
+  config: ConfigDict
+  split: str
+  why: str = ''                 # a LEFT_OUT key
+  reason: str = ''              # the details
+  report: dict | None = None    # analyze's, once compiled
+  estimate: Estimate | None = None
+  compile_s: float = 0.0        # CPU seconds its compile took (when it was made)
+  cached: bool = False          # its program was read from the cache
+
+  def settings(self) -> dict:
+    c = self.config
+    return {'mesh': {a: c.mesh[a] for a in MESH_AXES}, 'remat': c.model.remat,
+            'micro_batches': c.train.micro_batches, 'zero': c.sharding.zero,
+            'split': self.split, 'loss_chunk': c.model.loss_chunk, 'pipeline': pipeline_text(c)}
+
+  def row(self) -> dict:
+    """A ranked candidate as the table and --json show it."""
+    r = self.report
+    return {'config': self.config, **self.settings(), 'memory': r['memory']['peak'],
+            **r['prediction']}
+
+
+@dataclasses.dataclass
+class Ranking:
+  """Every candidate's outcome; the ranked ones best first."""
+  outcomes: list[Outcome]
+  top: int                      # how many best are certain to be in order
+
+  @property
+  def rows(self) -> list[dict]:
+    ranked = [o for o in self.outcomes if o.report and not o.why]
+    return [o.row() for o in sorted(ranked, key=lambda o: o.report['prediction']['step_s'])]
+
+  def counts(self) -> dict[str, int]:
+    """How many were left out, by LEFT_OUT key (those with none left out)."""
+    counts = collections.Counter(o.why for o in self.outcomes if o.why)
+    return {k: counts[k] for k in LEFT_OUT if counts[k]}
+
+
+def state_key(c: ConfigDict) -> str:
+  """What decides the shapes of `c`'s state (not its remat policy, micro-batches, loss chunk or
+  schedule): candidates that share it share `step_shapes`' state bytes."""
+  c = with_fields(c, {'model.remat': '', 'model.loss_chunk': 0, 'train.micro_batches': 1,
+                      'pipeline.schedule': '', 'pipeline.microbatches': 0})
+  return c.to_json(sort_keys=True)
+
+
+def rank(cfg: ConfigDict, hardware: Hardware, space: Space, devices, *, exhaustive: bool = False,
+         top: int = 5, workers: int = 1, cache_dir: str | None = None,
+         progress: Progress | None = None) -> Ranking:
+  """Every candidate of `space` on `devices` (a GPU's, or CPU devices), the ones that fit
+  ranked by predicted step. Each is estimated from its shapes first (`jaxllm.cost.estimate`,
+  on a profile with kernel rates) and compiled best estimate first, `workers` at a time (and
+  read from the program cache in `cache_dir`). `exhaustive` compiles every one whose state
+  fits; otherwise, as the compiled ones show how far the estimates err
+  (`estimate.Calibration`), those left whose estimate says they cannot fit, or cannot be among
+  the `top` best compiled, are left out uncompiled. `progress` hears of each outcome decided,
+  and of what a compiler wrote that a search does not expect."""
+  progress = progress or Progress()
+  usable = usable_memory(hardware)[0]
+  outcomes = [Outcome(c, split, 'invalid' if reason else '', reason or '')
+              for c, split, reason in candidates(cfg, len(devices), space, len(hosts(devices)[0]))]
+  shapes = {}
+  for o in outcomes:
+    if o.why:
       continue
-    try:
-      fits = state_fits(c, hardware, devices)
-    except ConfigError:  # a dimension that does not split over its mesh axes
-      skipped['invalid'] += 1
+    key = state_key(o.config)
+    if key not in shapes:
+      try:
+        shapes[key] = step_shapes(o.config, devices)
+      except ConfigError as e:  # a dimension that does not split over its mesh axes
+        shapes[key] = e
+    if isinstance(step := shapes[key], ConfigError):
+      o.why, o.reason = 'invalid', str(step)
       continue
-    if not fits:
-      skipped['state does not fit'] += 1
-      continue
-    report = analyze(c, hardware, devices)
-    if not report['fits']:
-      skipped['does not fit'] += 1
-      continue
-    rows.append({'config': c, 'mesh': report['mesh'], 'remat': c.model.remat,
-                 'micro_batches': c.train.micro_batches, 'zero': c.sharding.zero,
-                 'split': split, 'loss_chunk': c.model.loss_chunk, 'pipeline': pipeline_text(c),
-                 'memory': report['memory']['peak'], **report['prediction']})
-  rows.sort(key=lambda r: r['step_s'])
-  return rows, skipped
+    state = sum(step.state_bytes.values())
+    if state > usable:
+      o.why, o.reason = 'state does not fit', f'{size_text(state)} of {size_text(usable)}'
+    elif hardware.rates is not None:
+      o.estimate = estimate(dataclasses.replace(
+          step, cfg=o.config, pipeline=pipeline_spec(o.config, o.config.mesh.pipe)), hardware)
+  progress.update(outcomes)
+  pending = [o for o in outcomes if not o.why]
+  workers = max(1, min(workers, len(pending)))  # a process per compile at most
+  compilers = Compilers(Target(hardware, len(devices), devices[0].platform), workers,
+                        cache_dir, devices)
+  try:
+    Search(outcomes, usable, None if exhaustive else top, progress).run(pending, compilers,
+                                                                        workers)
+  finally:
+    compilers.close()
+  return Ranking(outcomes, top)
+
+
+class Progress:
+  """What a search tells as it goes: here nothing, and the compilers' unexpected lines on
+  stderr (`jaxllm.tune` shows a progress bar)."""
+
+  def update(self, outcomes: list[Outcome]) -> None:
+    pass
+
+  def log(self, line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def kind(o: Outcome) -> tuple[str, str]:
+  """What the estimate errs alike on: the remat policy and the pipeline schedule."""
+  c = o.config
+  return c.model.remat, c.pipeline.schedule if c.mesh.pipe > 1 else '-'
+
+
+@dataclasses.dataclass
+class Search:
+  """Compiles candidates, the most promising first; with `top`, leaves out uncompiled those
+  that cannot fit or cannot be among the `top` best (see `rank`)."""
+  outcomes: list[Outcome]
+  usable: float
+  top: int | None
+  progress: Progress
+  calibration: Calibration = dataclasses.field(default_factory=Calibration)
+
+  def run(self, pending: list[Outcome], compilers: Compilers, workers: int) -> None:
+    running: dict[concurrent.futures.Future, Outcome] = {}
+    while pending or running:
+      while pending and len(running) < workers:
+        if (o := self._next(pending)) is not None:
+          running[compilers.submit(o.config)] = o
+      if running:
+        done, _ = concurrent.futures.wait(running,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+          self._record(running.pop(future), future.result())
+
+  def _next(self, pending: list[Outcome]) -> Outcome | None:
+    """Takes the candidate of least estimate (as calibrated) from `pending`; None when it
+    is left out instead."""
+    least = lambda o: (self.calibration.least_step(kind(o), o.estimate) or o.estimate.step_s
+                       ) if o.estimate else 0.0
+    o = min(pending, key=least)
+    pending.remove(o)
+    if self.top and o.estimate:
+      peak = self.calibration.least_peak(kind(o), o.estimate)
+      step = self.calibration.least_step(kind(o), o.estimate)
+      if peak and peak > self.usable:
+        o.why, o.reason = 'cannot fit', f'estimated at least {size_text(peak)}'
+      elif step and step > self._best():
+        o.why, o.reason = 'cannot win', f'estimated at least {seconds_text(step)}'
+      if o.why:
+        self.progress.update(self.outcomes)
+        return None
+    return o
+
+  def _record(self, o: Outcome, attempt) -> None:
+    for line in attempt.log:
+      self.progress.log(line)
+    o.compile_s, o.cached = attempt.compile_s, attempt.cached
+    if attempt.report is None:
+      o.why, o.reason = 'invalid', attempt.error
+    else:
+      o.report = attempt.report
+      peak, step = attempt.report['memory']['peak'], attempt.report['prediction']['step_s']
+      if o.estimate:
+        self.calibration.add(kind(o), o.estimate, step, peak)
+      if not attempt.report['fits']:
+        o.why, o.reason = 'does not fit', f'{size_text(peak)} of {size_text(self.usable)}'
+    self.progress.update(self.outcomes)
+
+  def _best(self) -> float:
+    """The `top`-th best compiled step that fits (infinity until there are as many)."""
+    steps = sorted(o.report['prediction']['step_s'] for o in self.outcomes
+                   if o.report and not o.why)
+    return steps[self.top - 1] if len(steps) >= self.top else math.inf
 
 
 def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -> str:
+  """The ranked rows, under a line that says how many were left out and why (`skipped`:
+  counts by LEFT_OUT key)."""
   program = program_text(devices[0].platform, len(devices), devices[0].device_kind,
                          is_compile_only(devices[0]))
   lines = [f'{len(rows)} candidates fit {hardware.name} '

@@ -1,0 +1,109 @@
+"""Compiled programs kept on disk, keyed by the program: what `jaxllm.cost.compile` reads of one
+(its buffer assignment's sizes and its optimized HLO) and the CPU seconds compiling it took, so
+that no program is compiled twice (tune's candidates; a second search with one flag changed
+compiles only the programs that changed). Reports are made from an entry afresh each time, so
+a change of the timing model or of a profile's rates needs no compile.
+
+The key is the lowered program (StableHLO, without source locations), the compiler's options
+and XLA_FLAGS, what the devices are (a GPU's target config, their count and hosts) and the
+versions of JAX and its compilers: anything else that changes the program changes the lowered
+text.
+
+Beside the entries, XLA's GPU compiler keeps its compiled kernels (`kernel_file`): programs that
+share kernels (candidates with the same shapes on a device) skip generating them again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import gzip
+import hashlib
+import json
+import os
+import tempfile
+
+import jax
+
+# Processes that may each keep a kernel file at once (a file is appended to by one at a time).
+KERNEL_FILES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+  """A compiled program's bytes per device, by the compiler's buffer assignment."""
+  arguments: int
+  outputs: int
+  aliases: int       # outputs that reuse a donated argument's buffer
+  temporaries: int
+
+  @property
+  def peak(self) -> int:
+    """Arguments and outputs (donated ones once) plus temporaries."""
+    return self.arguments + self.outputs - self.aliases + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """What is kept of one compiled program."""
+  memory: MemoryStats
+  text: str          # the optimized HLO
+  compile_s: float   # CPU seconds the compile took (the compiler's threads and processes)
+
+
+class ProgramCache:
+  """Compiled programs in `directory`, for devices described by `target`."""
+
+  def __init__(self, directory: str, target: str):
+    self.directory, self.target = directory, target
+    self._kernels: tuple[str, int] | None = None
+
+  def key(self, lowered_text: str, options: dict) -> str:
+    versions = {'jax': jax.__version__, 'jaxlib': jax.lib.__version__}
+    xla_flags = os.environ.get('XLA_FLAGS', '')  # they change the compiled program
+    head = json.dumps([self.target, sorted(options.items()), versions, xla_flags], default=str)
+    return hashlib.sha256(f'{head}\n{lowered_text}'.encode()).hexdigest()
+
+  def _path(self, key: str) -> str:
+    return os.path.join(self.directory, key[:2], f'{key}.json.gz')
+
+  def get(self, key: str) -> Entry | None:
+    """The entry kept under `key`; None when there is none (or it cannot be read: an entry
+    cut short is compiled again)."""
+    try:
+      with gzip.open(self._path(key), 'rt') as f:
+        d = json.load(f)
+      return Entry(MemoryStats(**d['memory']), d['text'], d['compile_s'])
+    except (OSError, EOFError, ValueError, KeyError, TypeError):
+      return None
+
+  def put(self, key: str, entry: Entry) -> None:
+    """Keeps `entry`, written whole or not at all (a reader never sees part of one)."""
+    path = self._path(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), suffix='.partial')
+    with os.fdopen(fd, 'wb') as raw, gzip.open(raw, 'wt') as f:
+      json.dump({'memory': dataclasses.asdict(entry.memory), 'compile_s': entry.compile_s,
+                 'text': entry.text}, f)
+    os.replace(partial, path)
+
+  def kernel_file(self) -> str | None:
+    """A file of XLA's compiled GPU kernels for this process alone (held locked while it
+    lives); None when as many processes hold one already."""
+    if self._kernels is None:
+      directory = os.path.join(self.directory, 'kernels')
+      os.makedirs(directory, exist_ok=True)
+      for slot in range(KERNEL_FILES):
+        target = hashlib.sha256(self.target.encode()).hexdigest()[:12]
+        path = os.path.join(directory, f'jax-{jax.__version__}-{target}-{slot}.bin')
+        fd = os.open(f'{path}.lock', os.O_CREAT | os.O_RDWR)
+        try:
+          fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+          os.close(fd)
+          continue
+        self._kernels = (path, fd)  # the lock lasts as long as the process
+        break
+      else:
+        self._kernels = ('', -1)
+    return self._kernels[0] or None
