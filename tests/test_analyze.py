@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import sys
 import types
 
 import jax
