@@ -7,6 +7,10 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 import types
 
 import jax
@@ -481,6 +485,33 @@ def test_tune_keeps_the_compilers_expected_warnings_from_the_terminal():
     os.write(2, ('\n'.join(written) + '\n').encode())
   assert log == written
   assert unexpected(log) == [written[-1]]
+
+
+WORKER_OF_A_KILLED_SEARCH = """
+import os, signal, time
+from jaxllm.cost.compilers import Compilers, Target
+from jaxllm.cost.hardware import PROFILES
+if __name__ == '__main__':
+  compilers = Compilers(Target(PROFILES['h100-nvlink'], 2, 'cpu'), 2, None)
+  busy = compilers.pool.submit(time.sleep, 300)
+  print(compilers.pool.submit(os.getpid).result(), flush=True)
+  os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_search_stopped_by_a_signal_leaves_no_compiling_worker(tmp_path):
+  """A `tune` killed mid-search runs no clean-up: its compile workers, one of them busy, end
+  with it instead of compiling on."""
+  (tmp_path / 'search.py').write_text(WORKER_OF_A_KILLED_SEARCH)
+  result = subprocess.run([sys.executable, str(tmp_path / 'search.py')], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+  worker = int(result.stdout.split()[0])
+  for _ in range(20):
+    if not os.path.exists(f'/proc/{worker}'):
+      break
+    time.sleep(0.5)
+  assert not os.path.exists(f'/proc/{worker}')
 
 
 def test_tune_progress_says_compiled_left_out_and_best():

@@ -18,6 +18,8 @@ import os
 import re
 import sys
 import tempfile
+import threading
+import time
 
 from ml_collections import ConfigDict
 
@@ -141,8 +143,11 @@ _worker: dict = {}
 
 
 def _start_worker(target: Target, cache_dir: str | None) -> None:
-  """A worker's JAX: started for the target's platform, before anything else runs."""
+  """A worker's JAX: started for the target's platform, before anything else runs. The worker
+  ends with the search: a `tune` stopped by a signal runs no clean-up that would end it."""
   import jax
+  parent = os.getppid()
+  threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
   from jaxllm.backends import start_backends
   if target.platform == 'cpu':
     jax.config.update('jax_platforms', 'cpu')
@@ -150,6 +155,12 @@ def _start_worker(target: Target, cache_dir: str | None) -> None:
   start_backends()
   _worker.update(target=target, devices=target.devices(),
                  cache=ProgramCache(cache_dir, target.description()) if cache_dir else None)
+
+
+def _exit_with(parent: int) -> None:
+  while os.getppid() == parent:
+    time.sleep(1)
+  os._exit(1)
 
 
 def _compile_in_worker(cfg: ConfigDict) -> Attempt:
