@@ -150,7 +150,7 @@ def test_scanned_stack_equals_layer_by_layer_loop(one_device):
     x = model.embed(tokens)
     for i in range(3):
       layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
-      x = layer(x, positions)
+      x, _ = layer(x, positions)
     return model.logits(x)
   np.testing.assert_allclose(got, layer_by_layer(params), rtol=1e-5, atol=1e-6)
 

@@ -85,7 +85,7 @@ class _Stage:
     self.graphdef, self.remat, self.compute_dtype = graphdef, remat, compute_dtype
 
   def __call__(self, w, x_BTD, info):
-    return scan_blocks(self.graphdef, w, x_BTD, *info, self.remat)
+    return scan_blocks(self.graphdef, w, x_BTD, *info, self.remat)[0]  # no experts: no stats
 
   def linearize(self, w, x_BTD, info):
     """(output, residuals to keep, (pullback structure, where w's leaves go in it))."""
