@@ -278,3 +278,134 @@ def test_param_counts_of_experts(moe, active, one_device):
   assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == counts['total']
   experts = cfg.moe.experts * 3 * 16 * 12 * (2 - cfg.moe.first_dense)
   assert counts['total'] - counts['active'] == experts * (8 - active) // 8
+
+
+def moe_config(data_path, **mesh):
+  """`text_config` with 8 experts of width 32 (top-2) in every layer and both router losses
+  on, so that their gradients count."""
+  cfg = text_config(data_path, **mesh)
+  cfg.model.moe.update(experts=8, top_k=2, mlp_dim=32, aux_loss=0.01, z_loss=0.001)
+  return cfg
+
+
+def first_step(cfg, devices=None):
+  """The first step's metrics (the loss and the routers') and parameter gradients, as
+  `conftest.step_gradients` takes them."""
+  import optax
+  from jaxllm.pipeline.spec import from_stage_order
+  from jaxllm.step import TrainState, make_train_step
+  from jaxllm.train import setup
+  keep = optax.GradientTransformation(
+      lambda params: jax.tree.map(jnp.zeros_like, params),
+      lambda grads, _, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+  run = setup(cfg, devices)
+  step = make_train_step(run.graphdef, keep, lambda _: 0.0, cfg.train.micro_batches,
+                         run.pipeline)
+  with sharding_context(run.mesh, run.layout.rules):
+    state = TrainState(run.state.step, run.state.params, keep.init(run.state.params),
+                       router_bias=run.state.router_bias)
+    new_state, metrics = jax.jit(step)(state, next(run.batches))
+  grads = jax.device_get(new_state.opt_state)
+  if run.pipeline:
+    grads = from_stage_order(grads, run.pipeline.stages, run.pipeline.repeats)
+  return jax.device_get(metrics), grads
+
+
+@pytest.fixture(scope='module')
+def one_device_step(short_documents):
+  """`first_step` on one device of `moe_config` with these moe fields; made once each."""
+  made = {}
+
+  def reference(**moe):
+    key = tuple(sorted(moe.items()))
+    if key not in made:
+      cfg = moe_config(short_documents)
+      cfg.model.moe.update(moe)
+      made[key] = first_step(cfg, jax.devices()[:1])
+    return made[key]
+  return reference
+
+
+MESH_CASES = {  # mesh, moe fields, rules changed, pipeline fields
+    'fsdp4_ring': (dict(fsdp=4), dict(), {}, {}),
+    'fsdp4_all_to_all': (dict(fsdp=4), dict(dispatch='all_to_all'), {}, {}),
+    'data2_fsdp2_tensor2_ring': (dict(data=2, fsdp=2, tensor=2), dict(), {}, {}),
+    'data2_fsdp2_tensor2_all_to_all_experts_over_data_fsdp': (
+        dict(data=2, fsdp=2, tensor=2), dict(dispatch='all_to_all'),
+        dict(experts=('data', 'fsdp')), {}),
+    'gpipe_pipe2_data2_fsdp2_every2': (dict(pipe=2, data=2, fsdp=2), dict(every=2), {},
+                                       dict(microbatches=2)),
+    'circular_pipe2_fsdp2_tensor2_sigmoid': (dict(pipe=2, fsdp=2, tensor=2),
+                                             dict(router='sigmoid'), {},
+                                             dict(schedule='circular', repeats=2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mesh, moe, rules, pipeline', MESH_CASES.values(), ids=MESH_CASES.keys())
+def test_mesh_step_equals_one_device(mesh, moe, rules, pipeline, short_documents,
+                                     one_device_step):
+  """Dropless, fp32, on rows packed with several documents: the first step's loss, aux and z
+  losses, expert loads and every gradient tensor as one device's (within 1e-5 of the
+  tensor's largest element), with the experts split over the devices (in a pipeline, each
+  stage's experts gathered with its other weights)."""
+  want, want_grads = one_device_step(**moe)
+  cfg = moe_config(short_documents, **mesh)
+  cfg.model.moe.update(moe)
+  cfg.sharding.rules.update(rules)
+  cfg.pipeline.update(pipeline)
+  got, grads = first_step(cfg, jax.devices()[:math.prod(cfg.mesh[a] for a in ONE_DEVICE)])
+  for name in ('loss', 'moe_aux_loss', 'moe_z_loss'):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+  load = got['moe_load']
+  if pipeline.get('repeats', 1) > 1:  # stored stage-major: layers 0, 2 on stage 0, 1, 3 on 1
+    load = load[np.argsort([0, 2, 1, 3])]
+  np.testing.assert_array_equal(load, want['moe_load'])
+  assert got['moe_dropped'] == want['moe_dropped'] == 0
+  for path, (g, w) in zip(leaf_paths(want_grads), paired_leaves(grads, want_grads)):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max(), err_msg=path)
+
+
+BAD_INPUT = {  # moe fields, mesh and rules changes, the start of the one line it says
+    'experts_not_divisible': (dict(experts=6), dict(fsdp=4),
+                              'model.moe.experts=6 does not split over the 4 expert-parallel '
+                              "devices (sharding.rules.experts=('fsdp',): fsdp=4); make it a "
+                              'multiple of 4'),
+    'top_k_above_experts': (dict(experts=4, top_k=5), {},
+                            'model.moe.top_k=5 must be between 1 and model.moe.experts=4'),
+    'negative_capacity': (dict(capacity_factor=-1.0), {},
+                          'model.moe.capacity_factor=-1.0 must be at least 0 (0: dropless'),
+    'unknown_dispatch': (dict(dispatch='alltoall'), {},
+                         "model.moe.dispatch='alltoall' is unknown; use one of ring, all_to_all"),
+    'unknown_router': (dict(router='topk'), {},
+                       "model.moe.router='topk' is unknown; use one of softmax, sigmoid"),
+    'layers_not_in_groups': (dict(every=3), {},
+                             'model.num_layers=4 less model.moe.first_dense=0 is not a multiple '
+                             'of model.moe.every=3'),
+    'no_moe_layer_left': (dict(first_dense=4), {},
+                          'model.moe.first_dense=4 leaves no layer of model.num_layers=4'),
+    'experts_and_their_mlp_on_one_axis': (dict(), dict(rules=dict(expert_mlp=('fsdp',))),
+                                          "sharding.rules.experts=('fsdp',) and sharding.rules."
+                                          "expert_mlp=('fsdp',) both split over 'fsdp'"),
+    'fp8': (dict(), dict(model=dict(fp8='delayed')), "model.fp8='delayed' is not built for "
+            'experts'),
+    'one_f_one_b': (dict(), dict(pipe=2, pipeline=dict(schedule='1f1b')),
+                    "pipeline.schedule='1f1b' is not built for experts"),
+    'first_dense_in_a_pipeline': (dict(first_dense=2), dict(pipe=2),
+                                  'model.moe.first_dense=2 is not built for pipelines'),
+}
+
+
+@pytest.mark.parametrize('moe, changes, message', BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_expert_settings_are_one_line(moe, changes, message):
+  from conftest import small_config
+  changes = dict(changes)
+  cfg = small_config(**{a: changes.pop(a) for a in ONE_DEVICE if a in changes})
+  cfg.model.moe.update({'experts': 8, **moe})
+  cfg.sharding.rules.update(changes.pop('rules', {}))
+  cfg.model.update(changes.pop('model', {}))
+  cfg.pipeline.update(changes.pop('pipeline', {}))
+  with pytest.raises(ConfigError) as error:
+    validate(cfg, {a: cfg.mesh[a] for a in ONE_DEVICE})
+  assert str(error.value).startswith(message), str(error.value)
+  assert '\n' not in str(error.value)
