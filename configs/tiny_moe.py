@@ -2,8 +2,8 @@
 data with 8 SwiGLU experts of width 96 in every layer, each token routed to 2 of them (Mixtral's
 softmax router), the load-balancing and router z-losses on.
 
-The mesh data=2 × fsdp=4 splits the experts over fsdp (expert parallelism: 2 experts per
-device), which dispatches tokens to them round a ring (model.moe.dispatch='ring').
+The mesh fsdp=8 splits the experts over fsdp (expert parallelism: one expert per device, as
+on a node of 8 GPUs), and tokens reach them round a ring (model.moe.dispatch='ring').
 """
 
 import os
@@ -18,11 +18,11 @@ def get_config():
   c.model.update(vocab_size=320, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=2,
                  head_dim=32, mlp_dim=384)
   c.model.moe.update(experts=8, top_k=2, mlp_dim=96, aux_loss=0.01, z_loss=0.001)
-  c.mesh.update(data=2, fsdp=4, pipe=1, tensor=1)
-  c.train.update(steps=200, log_every=20, global_batch=16, micro_batches=1)
-  c.optim.update(lr=3e-3, warmup_steps=20)
+  c.mesh.update(data=1, fsdp=8, pipe=1, tensor=1)
+  c.train.update(steps=100, log_every=10, global_batch=16, micro_batches=1)
+  c.optim.update(lr=3e-3, warmup_steps=10)
   c.data.update(source='files', seq_len=128, eval_fraction=0.02,
                 path=os.path.join(sysconfig.get_paths()['stdlib'], '*.py'))
-  c.eval.every = 100
-  c.checkpoint.every = 100
+  c.eval.every = 50
+  c.checkpoint.every = 50
   return c

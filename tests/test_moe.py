@@ -268,7 +268,8 @@ def test_dense_first_layers_and_every_other_layer_decode_as_they_run(one_device)
   np.testing.assert_allclose(jax.jit(in_pieces)(params), whole, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('moe, active', [(dict(), 2), (dict(shared_experts=1, shared_mlp_dim=20), 2),
+@pytest.mark.parametrize('moe, active', [(dict(), 2),
+                                         (dict(shared_experts=1, shared_mlp_dim=20), 2),
                                          (dict(first_dense=1, top_k=3), 3)])
 def test_param_counts_of_experts(moe, active, one_device):
   """Total parameters as the model holds them; active ones with top_k of the experts."""
