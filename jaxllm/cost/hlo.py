@@ -1,6 +1,6 @@
 """What a compiled step does, read from its optimized HLO text: its collectives, its matmul
-and attention FLOPs (and those of the forward work it reruns), its fused attention kernels and
-its largest values.
+and attention FLOPs (and those of the forward work it reruns), its fused attention kernels,
+its Pallas-Triton kernels and its largest values.
 
 For each collective: its kind, element type, the mesh axes its device groups span, how many
 times it runs per step (loop trip counts multiplied through) and the bytes each device sends,
@@ -541,6 +541,45 @@ def attention_kernel(inst: Instruction, count: int, recomputed: str | None) -> F
     kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims) * operands[0][1][-1]
                     * (0.5 if 'CAUSAL' in mask else 1.0))
   return kernel
+
+
+@dataclasses.dataclass
+class TritonKernel:
+  """A Pallas-Triton kernel of a GPU program (a `__gpu$xla.gpu.triton` custom call), e.g. the
+  grouped matmul's (`jaxllm.model.grouped_matmul_triton.call_cost` prices those)."""
+  name: str                    # the kernel's name, as Pallas puts it in the backend config
+  count: int                   # executions per step
+  operands: list[tuple[str, tuple[int, ...]]]  # (dtype, dims) of each operand, in order
+  result: list[tuple[str, tuple[int, ...]]]    # (dtype, dims) of each output
+  grid: tuple[int, int, int]   # Triton's launch grid (programs along x, y, z)
+  recomputed_by: str | None    # a forward rerun in the backward: by whom (`recomputed_by`)
+
+
+TRITON_TARGET = 'custom_call_target="__gpu$xla.gpu.triton"'
+
+
+def triton_kernels(hlo_text: str) -> list[TritonKernel]:
+  """The Pallas-Triton kernels a GPU program runs, one entry per call site."""
+  computations, counts = program(hlo_text)
+  found = []
+  for comp, insts in computations.items():
+    for inst in insts.values() if counts.get(comp) else ():
+      if inst.opcode != 'custom-call' or TRITON_TARGET not in inst.attrs:
+        continue
+      # The backend config's fields are in name order (debug, grid_*, ir, name, num_*); the
+      # Triton module in `ir` is a string whose quotes are escaped (\22), so `name = "` and
+      # the grid's fields read plainly around it.
+      config = inst.attrs
+      name = re.search(r'\bname = "([^"]*)"', config)
+      grid = [re.search(rf'\bgrid_{axis} = (\d+)', config) for axis in 'xyz']
+      start = config.find('operand_layout_constraints=')
+      operands = (arrays(config[start:_balanced(config, config.index('{', start))])
+                  if start >= 0 else [])
+      found.append(TritonKernel(name.group(1) if name else '', counts[comp], operands,
+                                arrays(inst.shape),
+                                tuple(int(g.group(1)) if g else 1 for g in grid),
+                                recomputed_by(hlo_text, comp, inst)))
+  return found
 
 
 def largest_values(hlo_text: str, k: int = 5) -> list[tuple[int, str, str]]:
