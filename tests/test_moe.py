@@ -29,6 +29,8 @@ LAYER_MESHES = {  # mesh, rules changed
     'fsdp4': ({**ONE_DEVICE, 'fsdp': 4}, {}),
     'data2_fsdp2_tensor2_experts_over_data_fsdp': (dict(data=2, fsdp=2, pipe=1, tensor=2),
                                                    dict(experts=('data', 'fsdp'))),
+    # the experts whole over data, whose devices hold other tokens: their gradients are summed
+    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, pipe=1, tensor=2), {}),
 }
 
 
@@ -104,6 +106,10 @@ LAYER_CASES = {  # moe fields, mesh
     'softmax_ring_data_fsdp_tensor': (dict(), 'data2_fsdp2_tensor2_experts_over_data_fsdp'),
     'sigmoid_all_to_all_data_fsdp_tensor': (dict(router='sigmoid', dispatch='all_to_all'),
                                             'data2_fsdp2_tensor2_experts_over_data_fsdp'),
+    'softmax_all_to_all_experts_over_fsdp_only': (dict(dispatch='all_to_all'),
+                                                  'data2_fsdp2_tensor2'),
+    # the own Pallas kernels, in Pallas' interpreter on the CPU
+    'softmax_ring_triton_fsdp4': (dict(grouped_matmul='triton'), 'fsdp4'),
 }
 
 
@@ -301,7 +307,7 @@ def first_step(cfg, devices=None):
       lambda grads, _, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
   run = setup(cfg, devices)
   step = make_train_step(run.graphdef, keep, lambda _: 0.0, cfg.train.micro_batches,
-                         run.pipeline)
+                         run.pipeline, zero=run.layout.zero)
   with sharding_context(run.mesh, run.layout.rules):
     state = TrainState(run.state.step, run.state.params, keep.init(run.state.params),
                        router_bias=run.state.router_bias)
@@ -314,47 +320,55 @@ def first_step(cfg, devices=None):
 
 @pytest.fixture(scope='module')
 def one_device_step(short_documents):
-  """`first_step` on one device of `moe_config` with these moe fields; made once each."""
+  """`first_step` on one device of `moe_config` with these moe fields and micro-batches;
+  made once each."""
   made = {}
 
-  def reference(**moe):
-    key = tuple(sorted(moe.items()))
+  def reference(micro_batches, **moe):
+    key = (micro_batches, *sorted(moe.items()))
     if key not in made:
       cfg = moe_config(short_documents)
       cfg.model.moe.update(moe)
+      cfg.train.micro_batches = micro_batches
       made[key] = first_step(cfg, jax.devices()[:1])
     return made[key]
   return reference
 
 
-MESH_CASES = {  # mesh, moe fields, rules changed, pipeline fields
-    'fsdp4_ring': (dict(fsdp=4), dict(), {}, {}),
-    'fsdp4_all_to_all': (dict(fsdp=4), dict(dispatch='all_to_all'), {}, {}),
-    'data2_fsdp2_tensor2_ring': (dict(data=2, fsdp=2, tensor=2), dict(), {}, {}),
+MESH_CASES = {  # mesh, moe fields, rules changed, pipeline fields, micro-batches, ZeRO
+    'fsdp4_ring': (dict(fsdp=4), dict(), {}, {}, 1, 0),
+    'fsdp4_all_to_all': (dict(fsdp=4), dict(dispatch='all_to_all'), {}, {}, 1, 0),
+    'data2_fsdp2_tensor2_ring': (dict(data=2, fsdp=2, tensor=2), dict(), {}, {}, 1, 0),
     'data2_fsdp2_tensor2_all_to_all_experts_over_data_fsdp': (
         dict(data=2, fsdp=2, tensor=2), dict(dispatch='all_to_all'),
-        dict(experts=('data', 'fsdp')), {}),
+        dict(experts=('data', 'fsdp')), {}, 1, 0),
+    # each micro-batch's gradients reduce-scattered into the sum split over data
+    'data2_fsdp2_tensor2_micro2_zero2': (dict(data=2, fsdp=2, tensor=2), dict(), {}, {}, 2, 2),
     'gpipe_pipe2_data2_fsdp2_every2': (dict(pipe=2, data=2, fsdp=2), dict(every=2), {},
-                                       dict(microbatches=2)),
+                                       dict(microbatches=2), 1, 0),
     'circular_pipe2_fsdp2_tensor2_sigmoid': (dict(pipe=2, fsdp=2, tensor=2),
                                              dict(router='sigmoid'), {},
-                                             dict(schedule='circular', repeats=2)),
+                                             dict(schedule='circular', repeats=2), 1, 0),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('mesh, moe, rules, pipeline', MESH_CASES.values(), ids=MESH_CASES.keys())
-def test_mesh_step_equals_one_device(mesh, moe, rules, pipeline, short_documents,
-                                     one_device_step):
+@pytest.mark.parametrize('mesh, moe, rules, pipeline, micro_batches, zero', MESH_CASES.values(),
+                         ids=MESH_CASES.keys())
+def test_mesh_step_equals_one_device(mesh, moe, rules, pipeline, micro_batches, zero,
+                                     short_documents, one_device_step):
   """Dropless, fp32, on rows packed with several documents: the first step's loss, aux and z
   losses, expert loads and every gradient tensor as one device's (within 1e-5 of the
   tensor's largest element), with the experts split over the devices (in a pipeline, each
-  stage's experts gathered with its other weights)."""
-  want, want_grads = one_device_step(**moe)
+  stage's experts gathered with its other weights). With micro-batches, as one device's with
+  as many."""
+  want, want_grads = one_device_step(micro_batches, **moe)
   cfg = moe_config(short_documents, **mesh)
   cfg.model.moe.update(moe)
   cfg.sharding.rules.update(rules)
   cfg.pipeline.update(pipeline)
+  cfg.train.micro_batches = micro_batches
+  cfg.sharding.zero = zero
   got, grads = first_step(cfg, jax.devices()[:math.prod(cfg.mesh[a] for a in ONE_DEVICE)])
   for name in ('loss', 'moe_aux_loss', 'moe_z_loss'):
     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
