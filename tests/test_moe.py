@@ -342,6 +342,13 @@ MESH_CASES = {  # mesh, moe fields, rules changed, pipeline fields, micro-batche
     'data2_fsdp2_tensor2_all_to_all_experts_over_data_fsdp': (
         dict(data=2, fsdp=2, tensor=2), dict(dispatch='all_to_all'),
         dict(experts=('data', 'fsdp')), {}, 1, 0),
+    # the residual stream split along the sequence over tensor (the layer gathers its input)
+    'sequence_parallel_data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), dict(),
+                                              dict(act_seq=('tensor',)), {}, 1, 0),
+    # the tokens split along the sequence over fsdp, which the experts are split over too
+    'context_parallel_data2_fsdp2_tensor2_all_to_all': (
+        dict(data=2, fsdp=2, tensor=2), dict(dispatch='all_to_all'),
+        dict(batch=('data',), seq=('fsdp',)), {}, 1, 0),
     # each micro-batch's gradients reduce-scattered into the sum split over data
     'data2_fsdp2_tensor2_micro2_zero2': (dict(data=2, fsdp=2, tensor=2), dict(), {}, {}, 2, 2),
     'gpipe_pipe2_data2_fsdp2_every2': (dict(pipe=2, data=2, fsdp=2), dict(every=2), {},
