@@ -276,7 +276,7 @@ BAD_INPUTS = {
     'no directory': (lambda d: shutil.rmtree(d), 'is not a directory'),
     'no config.json': (lambda d: os.remove(d / 'config.json'), r'config\.json does not exist'),
     'not llama': (lambda d: _edit_config(d, model_type='gpt2', architectures=['GPT2LMHeadModel']),
-                  "model_type='gpt2'.* is not a Llama model"),
+                      "model_type='gpt2'.* is not supported; jaxllm reads LlamaForCausalLM"),
     'no weights': (lambda d: os.remove(d / 'model.safetensors'), r'holds no \*\.safetensors'),
     'missing tensor': (lambda d: _drop_tensor(d, 'model.layers.1.mlp.up_proj.weight'),
                        "tensor 'model.layers.1.mlp.up_proj.weight' is missing"),

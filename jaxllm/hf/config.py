@@ -1,4 +1,5 @@
-"""A Hugging Face Llama `config.json` and jaxllm's `model` config section, each from the other."""
+"""A Hugging Face Llama (or Mixtral, Qwen3-MoE: `experts`) `config.json` and jaxllm's `model`
+config section, each from the other."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import sys
 import jax
 from ml_collections import ConfigDict
 
-from jaxllm.checkpoint import SHAPE_FIELDS
+from jaxllm.checkpoint import MOE_SHAPE_FIELDS, SHAPE_FIELDS
 from jaxllm.config import ConfigError, default_config
+from jaxllm.hf.experts import (EXPERT_FAMILIES, check_experts_supported, expert_family,
+                               moe_fields, moe_json)
 
 CONFIG_FILE = 'config.json'
 # Fields that change the model's function but not its shapes: a run may differ on purpose.
@@ -19,7 +22,8 @@ BEHAVIOUR_FIELDS = ('rope_theta', 'rope_scaling', 'norm_eps')
 
 
 def read_hf_config(path: str) -> dict:
-  """config.json of a Llama checkpoint directory; ConfigError for anything else."""
+  """config.json of a Llama, Mixtral or Qwen3-MoE checkpoint directory; ConfigError for
+  anything else."""
   if not os.path.isdir(path):
     raise ConfigError(f'{path!r} is not a directory; give a Hugging Face checkpoint directory '
                       '(config.json and *.safetensors, as save_pretrained writes it).')
@@ -33,11 +37,16 @@ def read_hf_config(path: str) -> dict:
   except (OSError, ValueError) as e:
     raise ConfigError(f'{config_path} could not be read as JSON ({e}); fix or re-save it.'
                       ) from None
-  architectures = hf.get('architectures') or ['LlamaForCausalLM']
-  if hf.get('model_type') != 'llama' or 'LlamaForCausalLM' not in architectures:
-    raise ConfigError(f'{config_path}: model_type={hf.get("model_type")!r}, architectures='
-                      f'{architectures} is not a Llama model; only LlamaForCausalLM checkpoints '
-                      "(model_type 'llama') can be imported.")
+  kind = hf.get('model_type')
+  supported = {'llama': 'LlamaForCausalLM',
+               **{k: names.architecture for k, names in EXPERT_FAMILIES.items()}}
+  architectures = hf.get('architectures') or [supported.get(kind)]
+  if kind not in supported or supported[kind] not in architectures:
+    raise ConfigError(f'{config_path}: model_type={kind!r}, architectures={architectures} is '
+                      'not supported; jaxllm reads '
+                      f'{", ".join(f"{a} ({k})" for k, a in supported.items())} checkpoints.')
+  if kind in EXPERT_FAMILIES:
+    check_experts_supported(hf, kind, config_path)
   for key, supported in (('hidden_act', 'silu'), ('attention_bias', False), ('mlp_bias', False)):
     if hf.get(key, supported) != supported:
       raise ConfigError(f'{config_path}: {key}={hf[key]!r} is not supported; jaxllm\'s Llama '
@@ -97,6 +106,8 @@ def model_config(path: str) -> ConfigDict:
       dtype=dtype,
       attention='cudnn' if dtype == 'bfloat16' else 'xla')
   cfg.rope_scaling.update(scaling)
+  if hf['model_type'] in EXPERT_FAMILIES:
+    cfg.moe.update(moe_fields(hf, hf['model_type'], os.path.join(path, CONFIG_FILE)))
   return cfg
 
 
@@ -108,9 +119,11 @@ class Vocabulary:
 
 
 def hf_config(model_cfg: ConfigDict, dtype: str, vocabulary: Vocabulary) -> dict:
-  """config.json of a LlamaForCausalLM with jaxllm's `model_cfg`, stored in `dtype`.
-  `model_cfg.max_position` must be set: transformers takes 2048 for a config without it."""
+  """config.json of a LlamaForCausalLM (with experts, a MixtralForCausalLM) with jaxllm's
+  `model_cfg`, stored in `dtype`. `model_cfg.max_position` must be set: transformers takes
+  2048 for a config without it."""
   m = model_cfg
+  experts = expert_family(m)
   hf = dict(architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=m.vocab_size,
             hidden_size=m.embed_dim, intermediate_size=m.mlp_dim, num_hidden_layers=m.num_layers,
             num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
@@ -125,6 +138,11 @@ def hf_config(model_cfg: ConfigDict, dtype: str, vocabulary: Vocabulary) -> dict
                               low_freq_factor=s.low_freq_factor,
                               high_freq_factor=s.high_freq_factor,
                               original_max_position_embeddings=s.original_max_position)
+  if experts:
+    hf.update(architectures=[EXPERT_FAMILIES[experts].architecture], model_type=experts,
+              **moe_json(m, experts))
+    for key in ('attention_bias', 'mlp_bias'):  # Llama's alone
+      del hf[key]
   return hf
 
 
@@ -132,13 +150,16 @@ def check_model_matches(path: str, model_cfg: ConfigDict) -> None:
   """The run's `model_cfg` must have the checkpoint's shapes (ConfigError naming the field);
   a different RoPE or norm epsilon is allowed (e.g. a longer context) but noted."""
   hf_cfg = model_config(path)
-  for field in SHAPE_FIELDS:
-    if field == 'param_dtype':  # tensors are converted to the run's storage dtype
-      continue
-    if hf_cfg[field] != model_cfg[field]:
+  fields = [(f, hf_cfg[f], model_cfg[f]) for f in SHAPE_FIELDS
+            if f != 'param_dtype']  # tensors are converted to the run's storage dtype
+  # The router's weighting too: the same weights routed otherwise compute another model.
+  fields += [(f'moe.{f}', hf_cfg.moe[f], model_cfg.moe[f])
+             for f in MOE_SHAPE_FIELDS + ('top_k', 'renormalize', 'route_scale')]
+  for field, there, here in fields:
+    if there != here:
       raise ConfigError(
-          f'model.{field}={model_cfg[field]!r} but the Hugging Face checkpoint {path} has '
-          f'{field}={hf_cfg[field]!r}; set model.{field}={hf_cfg[field]!r}, or build the model '
+          f'model.{field}={here!r} but the Hugging Face checkpoint {path} has '
+          f'{field}={there!r}; set model.{field}={there!r}, or build the model '
           'section with jaxllm.hf.model_config (see the README).')
   plain = lambda v: v.to_dict() if isinstance(v, ConfigDict) else v
   for field in BEHAVIOUR_FIELDS:
