@@ -408,7 +408,12 @@ BAD_INPUT = {  # moe fields, mesh and rules changes, the start of the one line i
                           'model.moe.first_dense=4 leaves no layer of model.num_layers=4'),
     'experts_and_their_mlp_on_one_axis': (dict(), dict(rules=dict(expert_mlp=('fsdp',))),
                                           "sharding.rules.experts=('fsdp',) and sharding.rules."
-                                          "expert_mlp=('fsdp',) both split over 'fsdp'"),
+                                          "expert_mlp=('fsdp',) both split over 'fsdp', but "
+                                          'one array has both axes ([layers, experts, -, '
+                                          'expert_mlp])'),
+    'experts_over_the_layers_axis': (dict(), dict(rules=dict(experts=('pipe',))),
+                                     "sharding.rules.layers=('pipe',) and sharding.rules."
+                                     "experts=('pipe',) both split over 'pipe'"),
     'fp8': (dict(), dict(model=dict(fp8='delayed')), "model.fp8='delayed' is not built for "
             'experts'),
     'one_f_one_b': (dict(), dict(pipe=2, pipeline=dict(schedule='1f1b')),
