@@ -504,15 +504,18 @@ MOE_STEPS = 30
 
 @pytest.mark.slow
 def test_the_tiny_moe_trains_and_reports_its_experts(tmp_path):
-  """configs/tiny_moe.py, MOE_STEPS steps: the loss falls, the log prints the README's experts
-  line, and metrics.jsonl and TensorBoard hold the routers' figures. Then one step with the
-  all-to-all dispatch."""
+  """configs/tiny_moe.py, MOE_STEPS steps: the loss falls, the log prints the README's (and
+  docs/moe.md's) experts line, and metrics.jsonl and TensorBoard hold the routers' figures.
+  Then one step with the all-to-all dispatch."""
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
   cwd = readme_cwd(tmp_path)
   shorten = [f'--config.train.steps={MOE_STEPS}', '--config.checkpoint.every=0',
              '--config.eval.every=0']  # the warmup of 10 stays
   result = run_readme(TINY_MOE, cwd, shorten=shorten)
-  assert readme_block(MOE_LOG_BLOCK).lines[0] in result.stdout.splitlines()
+  experts_line = readme_block(MOE_LOG_BLOCK).lines[0]
+  assert experts_line in result.stdout.splitlines()
+  with open(os.path.join(REPO, 'docs', 'moe.md')) as f:  # docs/moe.md prints it too
+    assert experts_line in f.read().splitlines()
   workdir = os.path.join(cwd, 'runs', 'tiny_moe')
   assert_trained(workdir, MOE_STEPS)
   rows = [r for r in metric_rows(workdir) if 'loss' in r]
