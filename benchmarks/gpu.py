@@ -1,14 +1,18 @@
 """Training throughput on one accelerator (written for an NVIDIA H100), beside a plain-JAX step.
 
     python benchmarks/gpu.py --config configs/llama3_1b.py [--config.a.b=v ...] [--steps 20]
-        [--warmup 3] [--plain] [--keep-data]
+        [--warmup 3] [--warmup-seconds 60] [--plain] [--keep-data]
         [--largest [--device-memory-gb GB] [--max-layers 512] [--largest-remat none,full]]
 
 The run is built with `jaxllm.train.setup` on a synthetic batch (`--keep-data` keeps the
-config's data), its step compiled ahead of time, run `--warmup` times, then timed over
-`--steps` steps with one host sync at the end. It prints one block: devices, versions, the
-command and the config fields that matter, tokens/s per device, step time, model TFLOP/s per
-device, MFU in both FLOP conventions and peak device memory.
+config's data), its step compiled ahead of time, run `--warmup` times and on until
+`--warmup-seconds` have passed (default 60 on a GPU, 0 elsewhere: under load a GPU's clock
+falls from its boost to what its power limit sustains within about a minute, and a training
+run lives at the latter), then timed over `--steps` steps with one host sync at the end, the
+GPU's SM clock and board power sampled meanwhile (NVML, from nvidia-ml-py where installed). It
+prints one block: devices, versions, the command and the config fields that matter, tokens/s
+per device, step time, model TFLOP/s per device, MFU in both FLOP conventions, the clocks and
+power while timed and peak device memory.
 
 `--plain` also times `plain_llama.py` (the same model and optimizer in plain JAX, one device)
 on the same batch and weights, prints jaxllm's throughput over the plain one, and checks both
@@ -24,6 +28,7 @@ import importlib.metadata
 import itertools
 import math
 import shlex
+import threading
 import time
 
 import jax
@@ -31,7 +36,7 @@ from absl import flags
 from ml_collections import ConfigDict
 
 import plain_llama  # benchmarks/ is on the path when this runs as a script
-from timing import time_steps, timed
+from timing import benchmark_config, settle_seconds, time_steps, timed
 from jaxllm import metrics
 from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
@@ -46,6 +51,8 @@ from jaxllm.validate import resolve_mesh, validate
 
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps run after compiling.')
+_WARMUP_S = flags.DEFINE_float('warmup-seconds', -1.0, 'Untimed steps go on until this many '
+                               'seconds have passed (default: 60 on a GPU, 0 elsewhere).')
 _PLAIN = flags.DEFINE_bool('plain', False, 'Also time the plain-JAX step (one device only).')
 _LARGEST = flags.DEFINE_bool('largest', False, 'Find the most layers that fit, per remat policy.')
 _MEMORY_GB = flags.DEFINE_float('device-memory-gb', 0.0, '--largest: memory of one device in GB '
@@ -60,15 +67,52 @@ _KEEP_DATA = flags.DEFINE_bool('keep-data', False, "Use the config's data, not a
 LOSS_RTOL = {'float32': 1e-4, 'bfloat16': 1e-2}
 
 
-def benchmark_config(cfg: ConfigDict, keep_data: bool) -> ConfigDict:
-  """The config as benchmarked: no evaluation, no checkpoints; a synthetic batch by default
-  (it costs no input time, and every step sees the same shapes)."""
-  cfg = copy.deepcopy(cfg)
-  cfg.eval.every = 0
-  cfg.checkpoint.dir = ''
-  if not keep_data:
-    cfg.data.source = 'synthetic'
-  return cfg
+class Clocks:
+  """The SM clock (MHz) and board power (W) of `device`, sampled by NVML every `interval`
+  seconds while the context is entered. Without NVML (no nvidia-ml-py, no driver) it samples
+  nothing and says why."""
+
+  def __init__(self, device, interval: float = 0.05):
+    self.device, self.interval = device, interval
+    self.samples: list[tuple[float, float]] = []
+    self.missing = ''
+
+  def __enter__(self):
+    try:
+      import pynvml
+      pynvml.nvmlInit()
+      self._nvml = pynvml
+      self._handle = pynvml.nvmlDeviceGetHandleByIndex(
+          getattr(self.device, 'local_hardware_id', None) or 0)
+    except Exception as e:  # noqa: BLE001 (an absent module or driver alike)
+      self.missing = f'{type(e).__name__}: {e}'.splitlines()[0]
+      return self
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+    return self
+
+  def _sample(self):
+    nvml = self._nvml
+    while not self._stop.wait(self.interval):
+      self.samples.append((nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM),
+                           nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3))
+
+  def __exit__(self, *_):
+    if not self.missing:
+      self._stop.set()
+      self._thread.join()
+      self._nvml.nvmlShutdown()
+
+  def text(self) -> str:
+    if self.missing or not self.samples:
+      return ('not sampled (NVML: ' + (self.missing or 'no sample in time') +
+              '; pip install nvidia-ml-py on a machine with an NVIDIA driver)')
+    mhz, watts = zip(*self.samples)
+    mean = lambda xs: sum(xs) / len(xs)
+    return (f'SM {min(mhz):,.0f}–{max(mhz):,.0f} MHz (mean {mean(mhz):,.0f}), power '
+            f'{min(watts):,.0f}–{max(watts):,.0f} W (mean {mean(watts):,.0f}), '
+            f'{len(mhz)} samples while timed')
 
 
 def device_peak_bytes(device) -> int | None:
@@ -77,9 +121,13 @@ def device_peak_bytes(device) -> int | None:
 
 
 def time_jaxllm(run, first_batch, steps: int, warmup: int) -> dict:
-  step_s, compile_s, compiled, first = time_steps(run, steps, warmup, first_batch)
+  device = run.mesh.devices.flat[0]
+  clocks = Clocks(device)
+  step_s, compile_s, compiled, first = time_steps(run, steps, warmup, first_batch,
+                                                  settle_seconds(_WARMUP_S.value, device),
+                                                  lambda: clocks)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': report.peak_bytes(compiled)}
+          'compiled_peak': report.peak_bytes(compiled), 'clocks': clocks.text()}
 
 
 def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> dict:
@@ -98,9 +146,12 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
     return (params, opt_state), step_metrics
 
   batches = itertools.chain([first_batch], run.batches)
-  step_s, first = timed(state_step, (params, opt_state), batches, steps, warmup)
+  clocks = Clocks(run.mesh.devices.flat[0])
+  step_s, first = timed(state_step, (params, opt_state), batches, steps, warmup,
+                        settle_seconds(_WARMUP_S.value, run.mesh.devices.flat[0]),
+                        lambda: clocks)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': report.peak_bytes(compiled)}
+          'compiled_peak': report.peak_bytes(compiled), 'clocks': clocks.text()}
 
 
 def search_layers(peak_of, fits, cap: int) -> tuple[int, int | None]:
@@ -206,6 +257,7 @@ def throughput_lines(name: str, result: dict, cfg: ConfigDict, mesh) -> list[str
       f'peak FLOP/s/device {f"{peak / 1e12:,.0f}T" if peak else "unknown"}',
       f'{"":9} compile {result["compile_s"]:.1f}s   compiled peak memory '
       f'{size_text(result["compiled_peak"])}   first-step loss {result["loss"]:.6f}',
+      f'{"":9} clocks {result["clocks"]}',
   ]
 
 
@@ -217,6 +269,8 @@ def check_flags(cfg: ConfigDict) -> None:
     raise ConfigError('--plain times steps: give --steps 1 or more.')
   if _WARMUP.value < 0:
     raise ConfigError(f'--warmup={_WARMUP.value} must be at least 0.')
+  if _WARMUP_S.value < 0 and _WARMUP_S.value != -1:
+    raise ConfigError(f'--warmup-seconds={_WARMUP_S.value} must be at least 0.')
   if _MAX_LAYERS.value < 1:
     raise ConfigError(f'--max-layers={_MAX_LAYERS.value} must be at least 1.')
   if _MEMORY_GB.value < 0:

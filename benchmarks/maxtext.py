@@ -6,25 +6,27 @@
 Run it with the python of a venv that has MaxText's dependencies beside jax 0.10.2 and its CUDA
 plugin (jaxllm's own environment lacks them; benchmarks/README.md says how to make one).
 `--maxtext` is a MaxText checkout's root (the one holding src/maxtext), `--run` one of `RUNS`:
-a published MaxText run on 8 H100s, with its settings and XLA flags. Trailing `key=value`
-arguments override MaxText config fields, as on MaxText's own command line.
+a published MaxText run on H100s, with its settings and XLA flags as published. Trailing
+`key=value` arguments override MaxText config fields, as on MaxText's own command line.
 
 The step is built the way MaxText's `train_compile` builds it (its config parsing, model, train
-step, shardings and jit), on a mesh of 8 compile-only H100s from `jaxllm.backends.gpu_devices`
-instead of `train_compile`'s mesh, which needs a local GPU for GPU targets. It prints the XLA
-flags used and those dropped or renamed, the compile time and the program's memory analysis,
-and writes `compiled.as_text()` to `--out`.
+step, shardings and jit), on compile-only H100s from `jaxllm.backends.gpu_devices` instead of
+`train_compile`'s mesh, which needs a local GPU for GPU targets; across VMs, with MaxText's
+hybrid mesh over 8-GPU hosts. It prints the XLA flags used and those dropped or renamed, the
+compile time and the program's memory analysis, and writes `compiled.as_text()` to `--out`,
+after a first line of the flags it was compiled with (`jaxllm.cost.hlo.FLAGS_LINE`), which the
+timing model reads (command buffers on or off).
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SETTLED = 'compile_topology=a3 compile_topology_num_slices=1'.split()  # 8 GPUs, one host
 
-# The a3 1vm script's flags (src/maxtext/configs/gpu/a3/llama_2_7b/1vm.sh).
+# The a3 1vm script's flags (src/maxtext/configs/gpu/a3/llama_2_7b/1vm.sh, today's).
 A3_FLAGS = """
   --xla_dump_to=$OUTPUT_PATH/$RUN_NAME/HLO_dumps/
   --xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false
@@ -38,30 +40,71 @@ A3_FLAGS = """
   --xla_gpu_enable_reduce_scatter_combine_by_dim=false
   --xla_disable_hlo_passes=rematerialization""".split()
 
-# NVIDIA JAX-Toolbox's (docs/frameworks/maxtext/README.md and example_slurm.sub).
+
+def a3_2024_flags(all_reduce_combine: int) -> list[str]:
+  """The flags of MaxText's a3 llama_2_7b scripts as they published the runs (commit
+  efb6d9e4a, 2024-04-09, MaxText/configs/a3/llama_2_7b/{1,2,4,8}vm.sh), which differ only in
+  the all-reduce combine threshold."""
+  return f"""
+  --xla_dump_to=$OUTPUT_PATH/$RUN_NAME/HLO_dumps/
+  --xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_async_all_gather=true
+  --xla_gpu_enable_async_reduce_scatter=true --xla_gpu_enable_triton_gemm=false
+  --xla_gpu_simplify_all_fp_conversions --xla_gpu_graph_level=0
+  --xla_gpu_enable_async_all_reduce=true --xla_gpu_enable_highest_priority_async_stream=true
+  --xla_gpu_all_reduce_combine_threshold_bytes={all_reduce_combine}
+  --xla_gpu_all_gather_combine_threshold_bytes=134217728
+  --xla_gpu_reduce_scatter_combine_threshold_bytes=67108864
+  --xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true
+  --xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true
+  --xla_gpu_enable_triton_softmax_fusion=false --xla_gpu_enable_all_gather_combine_by_dim=false
+  --xla_gpu_enable_reduce_scatter_combine_by_dim=false
+  --xla_disable_hlo_passes=rematerialization""".split()
+
+
+# NVIDIA JAX-Toolbox's, as its MaxText README had them when it published the run (2024-05-01,
+# rosetta/rosetta/projects/maxtext/README.md; Triton GEMMs off until 2025-05-27).
 JAX_TOOLBOX_FLAGS = """
-  --xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=
+  --xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_async_all_gather=true
+  --xla_gpu_enable_async_reduce_scatter=true --xla_gpu_enable_triton_gemm=false
+  --xla_gpu_simplify_all_fp_conversions --xla_gpu_graph_level=0
+  --xla_gpu_enable_async_all_reduce=true --xla_gpu_enable_highest_priority_async_stream=true
   --xla_gpu_all_reduce_combine_threshold_bytes=1073741824
   --xla_gpu_all_gather_combine_threshold_bytes=1073741824
   --xla_gpu_reduce_scatter_combine_threshold_bytes=134217728
   --xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true
   --xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true
-  --xla_gpu_enable_all_gather_combine_by_dim=false
+  --xla_gpu_enable_triton_softmax_fusion=false --xla_gpu_enable_all_gather_combine_by_dim=false
   --xla_gpu_enable_reduce_scatter_combine_by_dim=false
   --xla_disable_hlo_passes=rematerialization""".split()
+
+# MaxText's a3 llama_2_7b command of 2024 (1vm.sh at efb6d9e4a), on today's base.yml; the
+# logits' matmul in fp32 as base.yml then defaulted (today's default is bf16).
+A3_2024_SETTINGS = ('model_name=llama2-7b hardware=gpu per_device_batch_size=4 '
+                    'max_target_length=4096 enable_checkpointing=false attention=cudnn_flash_jax '
+                    'remat_policy=minimal_flash use_iota_embed=true scan_layers=false '
+                    'dataset_type=synthetic logits_dot_in_fp32=true ici_fsdp_parallelism=8')
+
+
+def a3_run(vms: int, all_reduce_combine: int, tflops: int) -> dict:
+  return dict(
+      about=f'MaxText a3 llama_2_7b/{vms}vm.sh (2024): {8 * vms} H100s on {vms} A3 VMs, fsdp 8 '
+            f'in a VM{", data across VMs" if vms > 1 else ""} (published {tflops} '
+            'TFLOP/s/GPU)',
+      config='src/maxtext/configs/base.yml', vms=vms,
+      settings=f'run_name=a3_{vms}vm dcn_data_parallelism={vms} {A3_2024_SETTINGS}',
+      xla_flags=a3_2024_flags(all_reduce_combine))
+
 
 # Both published runs use Transformer Engine's attention (cudnn_flash_te), which cannot be
 # installed here; cudnn_flash_jax calls the same cuDNN flash kernels through JAX's own API.
 RUNS = {
-    'a3_1vm': dict(
-        about='MaxText a3 llama_2_7b/1vm.sh: 8 H100s, fsdp 8 (published 492 TFLOP/s/GPU)',
-        config='src/maxtext/configs/gpu/models/llama2_7b.yml',
-        settings='run_name=a3_1vm dcn_data_parallelism=1 ici_fsdp_parallelism=8 '
-                 'attention=cudnn_flash_jax',
-        xla_flags=A3_FLAGS),
+    'a3_1vm': a3_run(1, 134217728, 492),
+    'a3_2vm': a3_run(2, 67108864, 422),
+    'a3_4vm': a3_run(4, 536870912, 407),
+    'a3_8vm': a3_run(8, 1073741824, 409),
     'jax_toolbox': dict(
         about='JAX-Toolbox MaxText Llama-2-7B: 8 H100s, fsdp 8, global batch 16 (0.721 s/step)',
-        config='src/maxtext/configs/base.yml',
+        config='src/maxtext/configs/base.yml', vms=1,
         settings='run_name=jax_toolbox model_name=llama2-7b per_device_batch_size=2 '
                  'scan_layers=false remat_policy=minimal_flash attention=cudnn_flash_jax '
                  'max_target_length=4096 use_iota_embed=true logits_dot_in_fp32=false '
@@ -69,7 +112,7 @@ RUNS = {
         xla_flags=JAX_TOOLBOX_FLAGS),
     'llama3_8b': dict(
         about='Llama-3-8B on 8 H100s, fsdp 8, batch 1/GPU, seq 8192, remat full, a3 flags',
-        config='src/maxtext/configs/gpu/models/llama3_8b.yml',
+        config='src/maxtext/configs/gpu/models/llama3_8b.yml', vms=1,
         settings='run_name=llama3_8b dcn_data_parallelism=1 ici_fsdp_parallelism=8 '
                  'per_device_batch_size=1 max_target_length=8192 remat_policy=full '
                  'attention=cudnn_flash_jax',
@@ -82,6 +125,7 @@ RENAMED = {
     '--xla_gpu_pipeline_all_gather=on': '--xla_gpu_enable_pipelined_all_gather=true',
     '--xla_gpu_pipeline_reduce_scatter=on': '--xla_gpu_enable_pipelined_reduce_scatter=true',
     '--xla_gpu_pipeline_all_reduce=on': '--xla_gpu_enable_pipelined_all_reduce=true',
+    '--xla_gpu_graph_level=0': '--xla_gpu_enable_command_buffer=',
 }
 # Flags left out, and why.
 DROPPED = {
@@ -134,7 +178,9 @@ def main():
   jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_default_prng_impl', 'unsafe_rbg')  # as train_compile sets it
 
+  from types import SimpleNamespace
   from flax.linen import partitioning as nn_partitioning
+  from jax.experimental import mesh_utils
   from jax.sharding import AxisType, Mesh
   from maxtext.common.common_types import ShardMode
   from maxtext.configs import pyconfig
@@ -142,10 +188,16 @@ def main():
   from maxtext.utils import maxtext_utils, sharding
   from jaxllm.backends import gpu_devices, lowering_for
   from jaxllm.cost.hardware import PROFILES
+  from jaxllm.cost.hlo import FLAGS_LINE
 
-  argv = ['maxtext', os.path.join(args.maxtext, run['config']), *SETTLED,
-          *run['settings'].split(), *args.overrides]
+  argv = ['maxtext', os.path.join(args.maxtext, run['config']), 'compile_topology=a3',
+          f'compile_topology_num_slices={run["vms"]}', *run['settings'].split(),
+          *args.overrides]
   config = pyconfig.initialize(argv)
+  # Compile-only GPUs all say slice 0: MaxText's hybrid mesh groups them by host (8 a VM).
+  maxtext_utils.mesh_utils = SimpleNamespace(**{
+      **vars(mesh_utils), 'create_hybrid_device_mesh': functools.partial(
+          mesh_utils.create_hybrid_device_mesh, process_is_granule=True)})
 
   # train_compile's mesh, over compile-only H100s rather than jax.devices() on a local GPU.
   devices = gpu_devices(PROFILES['h100-nvlink'], config.num_target_devices)
@@ -187,7 +239,7 @@ def main():
   text = compiled.as_text()
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, 'w') as f:
-    f.write(text)
+    f.write(f'{FLAGS_LINE}{" ".join(xla_flags)}\n{text}')
   memory = compiled.memory_analysis()
   gib = lambda n: f'{n / 2**30:.2f} GiB'
   print(f'lowered and compiled in {seconds:.1f} s')

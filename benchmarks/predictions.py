@@ -1,13 +1,15 @@
 """The timing model against published measurements: each run's own program predicted beside
 the step its authors measured, and jaxllm's program for the same run beside it.
 
-    python benchmarks/predictions.py --maxtext-hlo DIR [--hardware h100-nvlink]
+    python benchmarks/predictions.py --maxtext-hlo DIR [--runs a3_1vm,jax_toolbox,...]
 
 DIR holds MaxText's programs for the runs, as `benchmarks/maxtext.py` writes them
-(`<run>.hlo.txt`, one per entry of RUNS); a run whose file is missing is predicted from
-jaxllm's program alone. Prints a markdown table: the measured step, each program's predicted
-step and its error (predicted ÷ measured − 1), printed whatever it is, and where the predicted
-time of MaxText's program goes.
+(`<run>.hlo.txt`, one per entry of RUNS, with the XLA flags they were compiled with); a run
+whose file is missing is predicted from jaxllm's program alone. Each run is predicted on a
+profile of the machine it ran on (`Run.hardware`), with the cuDNN of its day and command
+buffers as its flags set them. Prints a markdown table: the measured step, each program's
+predicted step and its error (predicted ÷ measured − 1), printed whatever it is, and where the
+predicted time of MaxText's program goes.
 """
 
 import dataclasses
@@ -16,7 +18,7 @@ import sys
 
 from absl import flags
 
-from jaxllm import analyze, metrics
+from jaxllm import metrics
 from jaxllm.backends import gpu_devices, start_backends
 from jaxllm.cli import load_config, main_guard
 from jaxllm.config import ConfigError
@@ -26,6 +28,7 @@ from jaxllm.cost.hardware import hardware_profile
 
 _MAXTEXT_HLO = flags.DEFINE_string('maxtext-hlo', '', 'Directory of MaxText\'s programs, '
                                    '<run>.hlo.txt as benchmarks/maxtext.py writes them.')
+_RUNS = flags.DEFINE_list('runs', None, 'The runs to predict (default: all).')
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -34,37 +37,56 @@ class Run:
   name: str            # benchmarks/maxtext.py's --run
   what: str
   source: str          # where the measurement is published
+  hardware: str        # the profile of the machine it ran on
+  cudnn: str           # the cuDNN series of its day (`hardware.ATTENTION`)
   devices: int
   global_batch: int    # sequences of seq_len per step
   seq_len: int
   config: str          # jaxllm's config of the same model
   step_s: float = 0.0  # measured seconds per step, if published as such
-  tflops: float = 0.0  # else: model TFLOP/s per GPU, as the authors counted them
+  tflops: float = 0.0  # else: model TFLOP/s per GPU, by MaxText's count of 2024
 
   def measured_step(self) -> float:
-    """The measured step; from TFLOP/s by MaxText's FLOP count of that time, 6·N per token
-    plus causal-halved attention, N without the input embedding (jaxllm's 'causal' count)."""
+    """The measured step; from TFLOP/s by the FLOP count MaxText published them with in 2024
+    (`maxtext_utils.calculate_tflops_training_per_device` at efb6d9e4a): 6 × all parameters,
+    the embedding's included, per token, plus causal-halved attention, 6·L·H·Q·T."""
     if self.step_s:
       return self.step_s
     m = load_config(os.path.join(REPO, self.config)).model
-    flops = metrics.flops_per_token(m, self.seq_len)['causal'] * self.global_batch * self.seq_len
-    return flops / (self.tflops * 1e12 * self.devices)
+    per_token = (6 * metrics.param_counts(m)['total']
+                 + 6 * m.num_layers * m.num_heads * m.head_dim * self.seq_len)
+    return per_token * self.global_batch * self.seq_len / (self.tflops * 1e12 * self.devices)
+
+
+def a3(vms: int, tflops: float) -> Run:
+  gpus = 8 * vms
+  return Run(f'a3_{vms}vm', f'MaxText Llama-2-7B, {gpus} H100s on {vms} A3 VM'
+             f'{"s" if vms > 1 else ""}, fsdp=8{f" × data={vms} across VMs" if vms > 1 else ""}, '
+             f'{4 * gpus} × 4096 tokens, bf16',
+             f'MaxText, configs/a3/llama_2_7b/README.md at efb6d9e4a ({tflops:g} TFLOP/s per GPU)',
+             'h100-a3', '2024', gpus, 4 * gpus, 4096, 'configs/llama2_7b.py', tflops=tflops)
 
 
 RUNS = (
-    Run('jax_toolbox', 'MaxText Llama-2-7B, 8 H100s, fsdp=8, 16 × 4096 tokens, bf16',
-        'NVIDIA JAX-Toolbox, docs/frameworks/maxtext/README.md', 8, 16, 4096,
+    Run('jax_toolbox', 'MaxText Llama-2-7B, 8 H100s (DGX), fsdp=8, 16 × 4096 tokens, bf16',
+        'NVIDIA JAX-Toolbox, MaxText README of 2024-05-01', 'h100-nvlink', '2024', 8, 16, 4096,
         'configs/llama2_7b.py', step_s=0.721),
-    Run('a3_1vm', 'MaxText Llama-2-7B, 8 H100s (A3), fsdp=8, 32 × 4096 tokens, bf16',
-        'MaxText, src/maxtext/configs/gpu/a3/llama_2_7b/README.md (492 TFLOP/s per GPU)', 8, 32,
-        4096, 'configs/llama2_7b.py', tflops=492),
+    a3(1, 492), a3(2, 422), a3(4, 407), a3(8, 409),
 )
 
 
+def profile(run: Run):
+  hardware = hardware_profile(run.hardware)
+  return dataclasses.replace(hardware,
+                             rates=dataclasses.replace(hardware.rates, cudnn=run.cudnn))
+
+
 def jaxllm_program(run: Run, hardware) -> dict:
-  """jaxllm's own program for the run: its config on fsdp over the run's GPUs, the run's batch."""
+  """jaxllm's own program for the run: its config on the run's mesh (fsdp over each node's 8
+  GPUs, data across nodes), the run's batch."""
   cfg = load_config(os.path.join(REPO, run.config))
-  cfg.mesh.update(data=1, fsdp=run.devices, pipe=1, tensor=1)
+  nodes = max(1, run.devices // 8)
+  cfg.mesh.update(data=nodes, fsdp=run.devices // nodes, pipe=1, tensor=1)
   cfg.train.global_batch = run.global_batch
   cfg.data.seq_len = run.seq_len
   return report.report(compile_step(cfg, gpu_devices(hardware, run.devices)), hardware)
@@ -77,7 +99,7 @@ def error_text(predicted: float, measured: float) -> str:
 def breakdown_text(p: dict) -> str:
   return ', '.join(f'{label} {p[f"{c}_s"] * 1e3:,.0f}' for c, label in (
       ('gemm', 'GEMMs'), ('attention', 'attention'), ('memory', 'memory-bound'),
-      ('launch', 'launches'), ('exposed_comm', 'exposed comm')))
+      ('launch', 'launches'), ('contention', 'beside NCCL'), ('exposed_comm', 'exposed comm')))
 
 
 def main(argv: list[str]) -> None:
@@ -92,24 +114,29 @@ def main(argv: list[str]) -> None:
   if directory and not os.path.isdir(directory):
     raise ConfigError(f'--maxtext-hlo {directory}: no such directory; pass the one '
                       'benchmarks/maxtext.py wrote the programs into.')
+  names = [r.name for r in RUNS]
+  if unknown := set(_RUNS.value or ()) - set(names):
+    raise ConfigError(f'--runs: unknown {", ".join(sorted(unknown))}; use {", ".join(names)}.')
   start_backends()
-  hardware = hardware_profile(analyze.HARDWARE.value)
   print(f'{sys.argv[0]} {" ".join(argv[1:])}')
-  print('| run | measured step | MaxText\'s program, predicted (error) | jaxllm\'s program, '
-        'predicted (error) | where MaxText\'s predicted step goes, ms |')
-  print('|---|---:|---:|---:|---|')
+  print('| run | measured step | profile | MaxText\'s program, predicted (error) | jaxllm\'s '
+        'program, predicted (error) | where MaxText\'s predicted step goes, ms |')
+  print('|---|---:|---|---:|---:|---|')
   for run in RUNS:
-    measured = run.measured_step()
+    if _RUNS.value and run.name not in _RUNS.value:
+      continue
+    measured, hardware = run.measured_step(), profile(run)
     path = os.path.join(directory, f'{run.name}.hlo.txt') if directory else ''
-    theirs, breakdown = '–', '–'
+    theirs, breakdown, assumed = '–', '–', hardware.rates.assumptions()
     if path and os.path.isfile(path):
       with open(path) as f:
         p = report.program_report(f.read(), hardware, run.devices,
                                   hardware.devices_per_node)['prediction']
-      theirs, breakdown = error_text(p['step_s'], measured), breakdown_text(p)
+      theirs, breakdown, assumed = error_text(p['step_s'], measured), breakdown_text(p), p['assumes']
     ours = jaxllm_program(run, hardware)['prediction']['step_s']
-    print(f'| {run.what} ({run.source}) | {measured * 1e3:,.0f} ms | {theirs} | '
-          f'{error_text(ours, measured)} | {breakdown} |', flush=True)
+    print(f'| {run.what} ({run.source}) | {measured * 1e3:,.0f} ms | {run.hardware}, '
+          f'{report.assumptions_text(assumed)} | {theirs} | {error_text(ours, measured)} | '
+          f'{breakdown} |', flush=True)
 
 
 if __name__ == '__main__':

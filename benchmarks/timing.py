@@ -1,33 +1,71 @@
 """Timing a compiled train step: warm-up, then timed steps with one host sync at the end."""
 
+import contextlib
+import copy
 import itertools
 import time
 
 import jax
+from ml_collections import ConfigDict
 
 from jaxllm.parallel.mesh import sharding_context
 
 
-def timed(step, state, batches, steps: int, warmup: int):
-  """Calls the compiled `step(state, batch) -> (state, metrics)` `warmup` times, then `steps`
-  times with no host sync until the end. Returns seconds per timed step and the first step's
-  metrics (on the host)."""
+# How long a GPU's clock takes to settle under full load, from its boost clock to what its
+# power limit sustains: stas00/ml-engineering soaks for up to 20 s before measuring sustained
+# matmul rates (branch fast-mamf, compute/accelerator/benchmarks/README.md); a minute, to be
+# sure.
+GPU_WARMUP_S = 60.0
+
+
+def settle_seconds(requested: float, device) -> float:
+  """`requested` seconds of warm-up; by default (negative) a minute on a GPU, none elsewhere."""
+  if requested >= 0:
+    return requested
+  return GPU_WARMUP_S if device.platform == 'gpu' else 0.0
+
+
+def benchmark_config(cfg: ConfigDict, keep_data: bool) -> ConfigDict:
+  """The config as benchmarked: no evaluation, no checkpoints; a synthetic batch by default
+  (it costs no input time, and every step sees the same shapes)."""
+  cfg = copy.deepcopy(cfg)
+  cfg.eval.every = 0
+  cfg.checkpoint.dir = ''
+  if not keep_data:
+    cfg.data.source = 'synthetic'
+  return cfg
+
+
+def timed(step, state, batches, steps: int, warmup: int, warmup_s: float = 0.0,
+          during=contextlib.nullcontext):
+  """Calls the compiled `step(state, batch) -> (state, metrics)` `warmup` times, and on until
+  `warmup_s` seconds have passed (a GPU's clocks settle under load), then `steps` times inside
+  the context `during()` with no host sync until the end. Returns seconds per timed step and
+  the first step's metrics (on the host)."""
   first = None
-  for _ in range(warmup):
+  start, done = time.perf_counter(), 0
+  while done < warmup or time.perf_counter() - start < warmup_s:
     state, step_metrics = step(state, next(batches))
     first = step_metrics if first is None else first
+    done += 1
+    if warmup_s:
+      jax.block_until_ready(state)  # the time the device ran, not the host's dispatch
   jax.block_until_ready(state)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, step_metrics = step(state, next(batches))
-    first = step_metrics if first is None else first
-  jax.block_until_ready((state, step_metrics))  # the only host sync of the timed steps
-  return (time.perf_counter() - start) / steps, jax.device_get(first)
+  with during():
+    start = time.perf_counter()
+    for _ in range(steps):
+      state, step_metrics = step(state, next(batches))
+      first = step_metrics if first is None else first
+    jax.block_until_ready((state, step_metrics))  # the only host sync of the timed steps
+    seconds = time.perf_counter() - start
+  return seconds / steps, jax.device_get(first)
 
 
-def time_steps(run, steps: int, warmup: int, first_batch=None):
+def time_steps(run, steps: int, warmup: int, first_batch=None, warmup_s: float = 0.0,
+               during=contextlib.nullcontext):
   """Compiles `run`'s step ahead of time (as `jaxllm.train` does) on its first batch (default:
-  the next of `run.batches`), runs `warmup` steps, then times `steps` steps.
+  the next of `run.batches`), warms it up (`timed`'s `warmup` and `warmup_s`), then times
+  `steps` steps inside `during()`.
 
   Returns seconds per step, compile seconds, the compiled step and the first step's metrics.
   """
@@ -37,5 +75,6 @@ def time_steps(run, steps: int, warmup: int, first_batch=None):
     compiled = run.train_step.lower(run.state, first_batch).compile()
   compile_s = time.perf_counter() - start
   batches = itertools.chain([first_batch], run.batches)
-  step_s, first = timed(compiled, run.state, batches, steps, warmup)  # donates run.state
+  step_s, first = timed(compiled, run.state, batches, steps, warmup, warmup_s,
+                        during)  # donates run.state
   return step_s, compile_s, compiled, first

@@ -1,5 +1,5 @@
 """`python -m jaxllm.analyze --config configs/X.py [--devices N] [--hardware h100-nvlink]`
-`python -m jaxllm.analyze --hlo FILE --devices N [--hardware h100-nvlink] [--devices-per-node 8]`
+`python -m jaxllm.analyze --hlo FILE [--hardware h100-nvlink] [--devices-per-node 8]`
 
 Compiles the train step ahead of time from shapes alone, nothing allocated, and reports per
 device: memory by kind and whether it fits what a process may use of the device; model FLOPs
@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import jax
 from absl import flags
@@ -26,6 +27,7 @@ from absl import flags
 from jaxllm.backends import gpu_devices, start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import MESH_AXES, ConfigError
+from jaxllm.cost import hlo
 from jaxllm.cost.compile import Compiled, compile_step
 from jaxllm.cost.hardware import PROFILES, hardware_profile
 from jaxllm.cost.report import (format_program_report, format_report, program_report,
@@ -33,7 +35,8 @@ from jaxllm.cost.report import (format_program_report, format_report, program_re
 
 DEVICES = flags.DEFINE_integer(
     'devices', 0, 'Analyse for this many devices (default: the mesh\'s size when no axis is -1, '
-    'else one node of the profile; with --compiler=cpu, the devices present).')
+    'else one node of the profile; with --compiler=cpu, the devices present; with --hlo, those '
+    'the program was compiled for, which a --devices given must equal).')
 HARDWARE = flags.DEFINE_string('hardware', 'h100-nvlink',
                                 f'Hardware profile: {", ".join(PROFILES)}.')
 DEVICE_MEMORY = flags.DEFINE_float('device-memory', 0.0,
@@ -46,8 +49,8 @@ _DUMP = flags.DEFINE_string('dump', '', 'Write the compiled program (HLO text) a
                             'into this new directory.')
 _HLO = flags.DEFINE_string(
     'hlo', '', 'Predict this optimized GPU HLO text instead of compiling a config: any JAX '
-    'program\'s, e.g. a *after_optimizations.txt file of XLA_FLAGS=--xla_dump_to=DIR; needs '
-    '--devices.')
+    'program\'s, e.g. a *after_optimizations.txt file of XLA_FLAGS=--xla_dump_to=DIR, on the '
+    'devices it was compiled for.')
 _PER_NODE = flags.DEFINE_integer('devices-per-node', 0, 'With --hlo: devices are numbered this '
                                  'many to a node (default: the profile\'s, 8).')
 
@@ -100,7 +103,8 @@ def write_dump(directory: str, c: Compiled, r: dict) -> None:
 
 
 def read_hlo_flags(argv: list[str]) -> tuple[str, object, int, int]:
-  """--hlo FILE and the flags that go with it: (text, hardware, devices, devices per node)."""
+  """--hlo FILE and the flags that go with it: (text, hardware, devices, devices per node).
+  The devices are those the program was compiled for (`program_devices`)."""
   if any(a.startswith('--config') for a in argv[1:]):
     raise ConfigError('--hlo predicts a program already compiled: leave out --config.')
   flags.FLAGS.unparse_flags()
@@ -109,8 +113,6 @@ def read_hlo_flags(argv: list[str]) -> tuple[str, object, int, int]:
   except flags.Error as e:
     raise ConfigError(str(e).splitlines()[0]) from None
   check_flags()
-  if not DEVICES.present:
-    raise ConfigError('--hlo needs --devices N: the devices the program was compiled for.')
   hardware = hardware_profile(HARDWARE.value, DEVICE_MEMORY.value)
   if hardware.rates is None:
     raise ConfigError(f'--hardware={hardware.name} has no measured kernel rates to time a '
@@ -123,10 +125,37 @@ def read_hlo_flags(argv: list[str]) -> tuple[str, object, int, int]:
       text = f.read()
   except OSError as e:
     raise ConfigError(f'--hlo {_HLO.value}: {e.strerror.lower()}; pass an HLO text file.') from None
-  if 'HloModule' not in text or 'ENTRY' not in text:
-    raise ConfigError(f'--hlo {_HLO.value}: not an HLO module in text form (no HloModule/ENTRY); '
+  _, module = hlo.written_flags(text)  # a first line of flags (benchmarks/maxtext.py's)
+  if not module.startswith('HloModule '):
+    raise ConfigError(f'--hlo {_HLO.value}: not an HLO module in text form (no HloModule line); '
                       'pass a *after_optimizations.txt file of --xla_dump_to.')
-  return text, hardware, DEVICES.value, per_node
+  if cut_short(module):
+    raise ConfigError(f'--hlo {_HLO.value}: the module ends before its ENTRY computation does; '
+                      'pass the whole file (a dump still being written is cut short).')
+  devices = program_devices(module)
+  if DEVICES.present and DEVICES.value != devices:
+    raise ConfigError(f'--devices={DEVICES.value}, but the program was compiled for {devices} '
+                      'devices (num_partitions × replica_count in its HloModule line); leave '
+                      '--devices out.')
+  return text, hardware, devices, per_node
+
+
+def _header_count(text: str, key: str) -> int:
+  """num_partitions or replica_count of an HLO module's first line; XLA leaves out a 1."""
+  found = re.search(rf'[ ,]{key}=(\d+)', text.split('\n', 1)[0])
+  return int(found[1]) if found else 1
+
+
+def program_devices(text: str) -> int:
+  """The devices an HLO module was compiled for: its partitions times its replicas."""
+  return _header_count(text, 'num_partitions') * _header_count(text, 'replica_count')
+
+
+def cut_short(text: str) -> bool:
+  """Whether an HLO module's text stops before its ENTRY computation ends: XLA prints the entry
+  last, each computation closed by a line `}`."""
+  lines = text.rstrip().splitlines()
+  return not any(line.startswith('ENTRY ') for line in lines) or lines[-1] != '}'
 
 
 def fp8_speedup(cfg, devices, hardware, prediction: dict) -> dict:

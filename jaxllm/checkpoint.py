@@ -24,7 +24,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
-from jaxllm.config import ConfigError, default_config
+from jaxllm.config import ConfigError, TrainingError, default_config
 from jaxllm.data import Streams
 from jaxllm.step import state_shapes
 
@@ -99,6 +99,21 @@ class StreamPositionsRestore(ocp.args.CheckpointArgs):
   streams: Streams
 
 
+# Status codes tensorstore starts its errors with when the storage did not answer or refused
+# the read, rather than finding the files missing or unreadable.
+STORAGE_STATUSES = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'RESOURCE_EXHAUSTED', 'ABORTED',
+                    'CANCELLED', 'PERMISSION_DENIED', 'UNAUTHENTICATED')
+
+
+def _storage_failed(e: Exception) -> bool:
+  """Whether a read failed for the storage's sake (an I/O error, a timeout, no permission),
+  which the next try may not meet, rather than for what the checkpoint holds (a file missing
+  or unparsable): such a checkpoint is not damaged, and is not set aside."""
+  if isinstance(e, OSError):
+    return not isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError))
+  return str(e).startswith(STORAGE_STATUSES)
+
+
 def _check_model_shape(saved: dict, model_cfg: ConfigDict, where: str) -> None:
   saved_moe = {**default_config().model.moe.to_dict(), **saved['model'].get('moe', {})}
   fields = [(f, saved['model'][f], model_cfg[f]) for f in SHAPE_FIELDS]
@@ -110,8 +125,37 @@ def _check_model_shape(saved: dict, model_cfg: ConfigDict, where: str) -> None:
                         'run (another --workdir or checkpoint.dir).')
 
 
+def check_resumable(saved: dict, model_cfg: ConfigDict, where: str) -> None:
+  """Whether a run of `model_cfg` can resume the train state of checkpoint `where`, saved by
+  the run config `saved`: the parameters' shapes, and delayed FP8 scaling's state (its scales
+  and amax histories, model.fp8_history long), agree. Raises ConfigError naming the field."""
+  _check_model_shape(saved, model_cfg, where)
+  defaults = default_config().model
+  was = {f: saved['model'].get(f, defaults[f]) for f in ('fp8', 'fp8_history')}
+  keeps = lambda fp8, history: (fp8 == 'delayed', history if fp8 == 'delayed' else None)
+  if keeps(was['fp8'], was['fp8_history']) == keeps(model_cfg.fp8, model_cfg.fp8_history):
+    return
+  field = 'fp8' if was['fp8'] != model_cfg.fp8 else 'fp8_history'
+  raise ConfigError(f'checkpoint {where} was saved with model.{field}={was[field]!r} but this '
+                    f'run has model.{field}={model_cfg[field]!r}: delayed FP8 scaling keeps scales '
+                    'and amax histories in the train state. Resume with the same, or start a '
+                    f'new run from its parameters: init_from={where} and another --workdir (or '
+                    'checkpoint.dir).')
+
+
 def _saved_config(manager: ocp.CheckpointManager, step: int) -> dict:
   return manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+
+
+def _reason(e: Exception, where: str) -> str:
+  """Why checkpoint `where` did not read, in a few words; a TrainingError that stops the run
+  where the storage failed the read (the checkpoint may be whole)."""
+  reason = f'{type(e).__name__}: {(str(e).splitlines() or [""])[0][:200]}'
+  if _storage_failed(e):
+    raise TrainingError(f'checkpoint {where} could not be read ({reason}), a failure of the '
+                        'storage rather than of its files: nothing was set aside; run again once '
+                        'the storage reads.') from None
+  return reason
 
 
 class Checkpoints:
@@ -149,8 +193,9 @@ class Checkpoints:
     """The newest checkpoint that reads back, restored into `target`'s shapes and shardings
     (and `batches` moved to its data position); None when there is none.
 
-    A checkpoint that fails to read while an older one reads is set aside (renamed, never
-    deleted) with a warning. When none reads, that is an error: nothing is set aside.
+    A checkpoint whose files fail to read while an older one reads is set aside (renamed,
+    never deleted) with a warning. When none reads, that is an error: nothing is set aside.
+    A read the storage fails (`_storage_failed`) stops the run, nothing set aside.
     """
     steps = self.steps()
     failures = []
@@ -159,16 +204,16 @@ class Checkpoints:
       try:
         saved = _saved_config(self.manager, step)
       except Exception as e:  # a damaged or missing config item
-        failures.append((step, f'config: {type(e).__name__}: {str(e).splitlines()[0][:200]}'))
+        failures.append((step, f'config: {_reason(e, where)}'))
         continue
-      _check_model_shape(saved, model_cfg, where)  # a mismatch is the user's to fix: no fallback
+      check_resumable(saved, model_cfg, where)  # a mismatch is the user's to fix: no fallback
       items = dict(state=ocp.args.StandardRestore(target))
       if isinstance(batches, Streams):
         items['data'] = StreamPositionsRestore(batches)
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # orbax and tensorstore raise many kinds for damaged files
-        failures.append((step, f'{type(e).__name__}: {str(e).splitlines()[0][:200]}'))
+        failures.append((step, _reason(e, where)))
         continue
       for bad_step, reason in failures:
         bad = os.path.join(self.directory, str(bad_step))

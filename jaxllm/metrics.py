@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -134,20 +135,25 @@ class WeightsAndBiases:
 
 
 class MetricsLog:
-  """Progress bar on a terminal, a line per logging interval, and each row in
-  `metrics.jsonl`, TensorBoard and W&B as `config.metrics` asks (with a workdir)."""
+  """Progress bar on a terminal, a line per logging interval, and with a workdir the run's
+  `config.json` and each row in `metrics.jsonl`, TensorBoard and W&B as `config.metrics`
+  asks."""
 
   def __init__(self, workdir: str | None, config: ConfigDict, enabled: bool = True):
     self.enabled = enabled
     self.file = None
     self.writers = []
     if enabled and workdir:
-      os.makedirs(workdir, exist_ok=True)
+      with _writing(workdir):
+        os.makedirs(workdir, exist_ok=True)
       if config.metrics.tensorboard:
         self.writers.append(TensorBoard(os.path.join(workdir, 'tensorboard'), config))
       if config.metrics.wandb_project:
         self.writers.append(WeightsAndBiases(config.metrics.wandb_project, workdir, config))
-      self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+      with _writing(workdir):
+        with open(os.path.join(workdir, 'config.json'), 'w') as f:
+          f.write(config.to_json(indent=2))
+        self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
     # tqdm hides itself when stderr is not a terminal (logs, CI, subprocesses).
     self.bar = tqdm(total=config.train.steps, disable=None if enabled else True,
                     file=sys.stderr, dynamic_ncols=True, leave=False)
@@ -195,6 +201,16 @@ class MetricsLog:
       writer.close()
     if self.file:
       self.file.close()
+
+
+@contextlib.contextmanager
+def _writing(workdir: str):
+  """A failure to write into the workdir as one ConfigError line."""
+  try:
+    yield
+  except OSError as e:
+    raise ConfigError(f'--workdir={workdir}: cannot write there ({e.strerror or e}); point '
+                      '--workdir at a directory you can write to.') from None
 
 
 def is_logging_process() -> bool:

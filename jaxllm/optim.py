@@ -9,15 +9,23 @@ import optax
 from ml_collections import ConfigDict
 
 
+def warmup_steps(cfg: ConfigDict, train_steps: int) -> int:
+  """The updates a run's lr warms up over: `warmup_steps`, or all `train_steps` where the run
+  is shorter (a short try of a config made for a long run), so that its last step still takes
+  the peak lr."""
+  return min(cfg.warmup_steps, train_steps)
+
+
 def lr_schedule(cfg: ConfigDict, train_steps: int) -> optax.Schedule:
   """The lr of each update, given how many came before it (optax's count, `state.step`).
 
-  Update s = 1, 2, … takes lr·s/W during the W = `warmup_steps` (update W takes the peak),
-  then `schedule`: 'constant' stays at lr; 'cosine' and 'linear' fall to lr·min_lr_ratio over
-  the D = `decay_steps` updates after warmup (0: the rest of `train_steps`) and stay there;
-  'wsd' (warmup-stable-decay) holds lr until the last D updates (0: the last fifth of
-  `train_steps`) and falls linearly to lr·min_lr_ratio on the last one."""
-  lr, final, warmup = cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup_steps
+  Update s = 1, 2, … takes lr·s/W during the W = `warmup_steps` (`warmup_steps()`: shortened
+  to a shorter run; update W takes the peak), then `schedule`: 'constant' stays at lr;
+  'cosine' and 'linear' fall to lr·min_lr_ratio over the D = `decay_steps` updates after
+  warmup (0: the rest of `train_steps`) and stay there; 'wsd' (warmup-stable-decay) holds lr
+  until the last D updates (0: the last fifth of `train_steps`) and falls linearly to
+  lr·min_lr_ratio on the last one."""
+  lr, final, warmup = cfg.lr, cfg.lr * cfg.min_lr_ratio, warmup_steps(cfg, train_steps)
   if cfg.schedule == 'wsd':
     decay = cfg.decay_steps or max(train_steps // 5, 1)
     stable_until = max(train_steps - decay, warmup)

@@ -29,7 +29,7 @@ from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import TrainingError, moe_layers
 from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.model import fp8, with_available_attention
-from jaxllm.optim import make_optimizer
+from jaxllm.optim import make_optimizer, warmup_steps
 from jaxllm.parallel.mesh import host_split, hosts, make_mesh, sharding_context
 from jaxllm.parallel.rules import Layout, derive, mesh_axes, parts
 from jaxllm.pipeline.spec import (PipelineSpec, from_stage_order, pipeline_spec, residual_items,
@@ -81,6 +81,10 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
       if axes and all(mesh_shape[a] == 1 for a in axes):
         print(f'note: sharding.rules.{name}={axes} splits the sequence over axes of size 1: '
               'nothing is split.')
+    if warmup_steps(cfg.optim, cfg.train.steps) < cfg.optim.warmup_steps:
+      print(f'note: optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run '
+            f'(train.steps={cfg.train.steps}): the lr warms up over its {cfg.train.steps} steps '
+            f'and reaches optim.lr={cfg.optim.lr:g} on the last.')
   mesh = make_mesh(mesh_shape, devices, cfg.mesh.across_hosts)
   batches = make_batches(cfg, mesh)
   eval_batches = make_eval_batches(cfg, mesh) if cfg.eval.every else None
@@ -318,10 +322,7 @@ def train(cfg: ConfigDict, workdir: str | None = None, devices=None):
   log = metrics.MetricsLog(workdir, cfg, enabled=metrics.is_logging_process())
   log.info(describe(cfg, run.mesh, run.layout, run.pipeline, run.batches))
   log.info(f'state    {run.origin}')
-  if workdir and metrics.is_logging_process():
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(cfg.to_json(indent=2))
+  if workdir:
     log.info(f'workdir  {workdir}')
 
   first = int(state.step) + 1

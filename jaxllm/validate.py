@@ -13,8 +13,9 @@ from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DISPATCH
                            FP8_RECIPES, GATHER_MODES, MESH_AXES, ONE_F_ONE_B_SCHEDULES,
                            PIPELINE_SCHEDULES, REMAT_POLICIES, ROUND_TRIP_SCHEDULES, ROUTERS,
                            SCHEDULES, ZERO_STAGES, ConfigError, pipeline_shape, scan_units)
+from jaxllm.model import LOGICAL_SHAPES
 from jaxllm.model.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMULS
-from jaxllm.parallel.rules import batch_shards, mesh_axes, parts
+from jaxllm.parallel.rules import batch_shards, collision, mesh_axes, parts
 
 def resolve_mesh(mesh_cfg: ConfigDict, num_devices: int) -> dict[str, int]:
   """Mesh axis sizes with a -1 filled in; errors when they do not cover the devices."""
@@ -154,40 +155,45 @@ def _batch_split(cfg: ConfigDict) -> str:
   return '×'.join(mesh_axes(cfg.sharding.rules.batch)) or 'one (sharding.rules.batch=())'
 
 
-# The rules whose axes each sequence split must keep clear of: they split other dimensions
-# of the same activations (the residual stream for act_seq; every activation for seq).
-
-
-SEQUENCE_CLASHES = {
-    'seq': ('batch', 'act_seq', 'act_embed', 'act_heads', 'act_kv_heads', 'act_mlp', 'act_vocab'),
-    'act_seq': ('batch', 'act_embed'),
-}
-
-
 def _validate_sequence_split(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   """sharding.rules.seq (context parallelism) and act_seq (sequence parallelism): over axes
-  the step leaves to the compiler, splitting no other dimension of the same activations,
-  into parts that divide the sequence."""
+  the step leaves to the compiler, splitting no other dimension of the same activations (the
+  check of every rule, `_validate_one_axis_per_dimension`, made here after the first so that
+  a sequence over data says what to use instead), into parts that divide the sequence."""
   rules = cfg.sharding.rules
-  for name, others in SEQUENCE_CLASHES.items():
+  for name in ('seq', 'act_seq'):
     axes = mesh_axes(rules[name])
     by_hand = [a for a in axes if a in ('data', 'pipe')]
     if by_hand:
       raise ConfigError(f'sharding.rules.{name}={axes} names {by_hand[0]!r}, whose rows or '
                         "stages the train step splits by hand; split the sequence over 'fsdp' "
                         "or 'tensor'.")
-    for other in others:
-      common = [a for a in axes if a in mesh_axes(rules[other])]
-      if common:
-        raise ConfigError(f'sharding.rules.{name}={axes} and sharding.rules.{other}='
-                          f'{mesh_axes(rules[other])} both split over {common[0]!r}; an axis '
-                          'splits one dimension of an activation: take it out of one of them.')
+  _validate_one_axis_per_dimension(rules)
   axes = mesh_axes(rules.seq) + mesh_axes(rules.act_seq)
   parts = math.prod(mesh_shape[a] for a in axes)
   if cfg.data.seq_len % parts:
     raise ConfigError(f'data.seq_len={cfg.data.seq_len} does not split over sharding.rules.seq '
                       f'and act_seq ({"×".join(axes)} = {parts}); make it a multiple of {parts} '
                       'or change the mesh or those rules.')
+
+
+def _validate_one_axis_per_dimension(rules: ConfigDict) -> None:
+  """A sharding splits each dimension of an array over its own mesh axes: no mesh axis may
+  split two, in any array the model lays out (`jaxllm.model.LOGICAL_SHAPES`), else JAX
+  refuses the sharding when the step is built."""
+  for shape in LOGICAL_SHAPES:
+    found = collision(rules, shape)
+    if not found:
+      continue
+    axis, first, second = found
+    if first == second:
+      raise ConfigError(f'sharding.rules.{first}={mesh_axes(rules[first])} names {axis!r} '
+                        'twice; name each mesh axis once.')
+    dims = ', '.join('·'.join(e) if isinstance(e, tuple) else e or '-' for e in shape)
+    raise ConfigError(f'sharding.rules.{first}={mesh_axes(rules[first])} and sharding.rules.'
+                      f'{second}={mesh_axes(rules[second])} both split over {axis!r}, but one '
+                      f'array has both axes ([{dims}]); a mesh axis splits one dimension of an '
+                      'array: take it out of one of the rules.')
 
 
 def _validate_collective_matmul(cfg: ConfigDict) -> None:
@@ -205,7 +211,8 @@ def _validate_collective_matmul(cfg: ConfigDict) -> None:
 def _validate_optim(o: ConfigDict, train_steps: int) -> None:
   """Each optimizer field in its meaningful range (NaN and inf fail too): a negative lr would
   train by gradient ascent, a negative weight decay would grow the weights. 'wsd' decays over
-  the last updates of `train_steps`: warmup must end before that decay begins."""
+  the last updates of `train_steps`: warmup must end before that decay begins. (A warmup
+  longer than the run is no error: the run warms up over all of it, `optim.warmup_steps()`.)"""
   _choice(o.schedule, 'optim.schedule', SCHEDULES)
   _choice(o.state_dtype, 'optim.state_dtype', DTYPES)
   ranges = {'lr': ('> 0', lambda v: v > 0), 'eps': ('> 0', lambda v: v > 0),
@@ -220,10 +227,6 @@ def _validate_optim(o: ConfigDict, train_steps: int) -> None:
   for field in ('warmup_steps', 'decay_steps'):
     if o[field] < 0:
       raise ConfigError(f'optim.{field}={o[field]} must be at least 0.')
-  if o.warmup_steps > train_steps:  # the lr would never reach optim.lr
-    raise ConfigError(f'optim.warmup_steps={o.warmup_steps} is longer than the run '
-                      f'(train.steps={train_steps}), so the lr never reaches optim.lr; lower '
-                      'optim.warmup_steps or raise train.steps.')
   # As `jaxllm.optim.lr_schedule` takes it: past it, wsd would start the decay after warmup
   # and end the run part-way down it, not at lr·min_lr_ratio.
   decay = o.decay_steps or max(train_steps // 5, 1)
@@ -349,14 +352,8 @@ def _validate_moe(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
                       f'{moe.first_dense} is not a multiple of model.moe.every={moe.every}: '
                       'the layers after the first dense ones come in groups of every, the last '
                       'with experts; change one of them.')
-  experts_axes, mlp_axes = mesh_axes(rules.experts), mesh_axes(rules.expert_mlp)
-  if 'pipe' in experts_axes + mlp_axes:
-    raise ConfigError("sharding.rules.experts and expert_mlp split the experts within a layer; "
-                      "'pipe' splits the layers: take it out of them.")
-  common = [a for a in experts_axes if a in mlp_axes]
-  if common:
-    raise ConfigError(f'sharding.rules.experts={experts_axes} and sharding.rules.expert_mlp='
-                      f'{mlp_axes} both split over {common[0]!r}; take it out of one of them.')
+  # A mesh axis in both experts and expert_mlp (or layers) is the rules' check's.
+  experts_axes = mesh_axes(rules.experts)
   ep = parts(experts_axes, mesh_shape)
   if moe.experts % ep:
     split = '×'.join(f'{a}={mesh_shape[a]}' for a in experts_axes)

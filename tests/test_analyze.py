@@ -2,8 +2,11 @@
 (the CPU compiler's program and the GPU's), memory against the shardings, the HLO reader, the
 big-config path, the ranking, and bad input. More of the GPU's program: test_gpu_program."""
 
+import dataclasses
 import math
 import re
+import sys
+import types
 
 import jax
 import pytest
@@ -20,6 +23,7 @@ from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
 from jaxllm.cost.tune import (Space, candidates, factorisations, format_table,
                                pipeline_text, rank)
+from jaxllm.train import setup
 
 H100 = PROFILES['h100-nvlink']
 
@@ -267,9 +271,9 @@ def test_analyze_prints_a_verdict_for_llama3_8b_on_64_devices():
   assert '8,030.26M total' in result.stdout
 
 
-def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
+def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config, monkeypatch):
   """On 4 devices (every candidate is a compile): each of the 10 meshes with 1 micro-batch,
-  none with 3, which do not divide the 16 rows."""
+  none with 3, which do not divide the 16 rows. `measure` times the best two's own steps."""
   devices = jax.devices()[:4]
   rows, skipped = rank(tiny_config, H100, Space(('none',), (1, 3)), devices)
   steps = [r['step_s'] for r in rows]
@@ -282,7 +286,55 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_config):
   # no schedules asked for: the config's, gpipe, where there is a pipeline
   assert {(r['mesh']['pipe'] > 1, r['pipeline']) for r in rows} == {(False, '-'), (True, 'gpipe')}
   for row in rows[:2]:
-    assert tune.measure(row['config'], steps=1, devices=devices) > 0
+    seconds, run, ran, drawn = measure_on_a_clock(row['config'], 3, devices, monkeypatch)
+    # per timed step, the two warm-ups and the compile left out; each timed step on a batch
+    # of its own (the warm-ups rerun the first); the candidate's own mesh and settings
+    assert seconds == pytest.approx(STEP) and (ran, drawn) == (2 + 3, 1 + 3)
+    assert dict(run.mesh.shape) == row['mesh'] and run.cfg.to_dict() == row['config'].to_dict()
+
+
+STEP = 0.25  # seconds of `measure_on_a_clock`'s clock a train step takes
+
+
+def measure_on_a_clock(cfg, steps, devices, monkeypatch):
+  """`tune.measure(cfg, steps, devices)` on a clock that stands still but for the calls of the
+  compiled train step, each STEP seconds (the steps themselves run). Returns the seconds it
+  measured, the run it set up, how many steps it ran and how many batches it drew."""
+  clock, ran, drawn, runs = [0.0], [], [], []
+
+  class Clocked:
+    """The run's jitted step, compiled as it is, each call of the program taking STEP."""
+
+    def __init__(self, jitted):
+      self.jitted = jitted
+
+    def lower(self, *args):
+      lowered = self.jitted.lower(*args)
+
+      def compile():
+        program = lowered.compile()
+
+        def call(state, batch):
+          ran.append(1)
+          clock[0] += STEP
+          return program(state, batch)
+        return call
+      return types.SimpleNamespace(compile=compile)
+
+  def counted(batches):
+    for batch in batches:
+      drawn.append(1)
+      yield batch
+
+  def clocked_setup(c, devices):
+    runs.append(setup(c, devices))
+    return dataclasses.replace(runs[-1], train_step=Clocked(runs[-1].train_step),
+                               batches=counted(runs[-1].batches))
+
+  monkeypatch.setattr(tune, 'setup', clocked_setup)
+  monkeypatch.setattr(tune, 'time', types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  seconds = tune.measure(cfg, steps=steps, devices=devices)
+  return seconds, runs[0], len(ran), len(drawn)
 
 
 def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
@@ -357,28 +409,72 @@ def test_analyze_bad_input_gets_one_line(args, field):
   assert len(lines) == 1 and field in lines[0], result.stderr
 
 
+ONE_OP = 'ENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}\n'
+
+
 @pytest.mark.parametrize('args, message', [
-    (['--hlo={missing}', '--devices=8'], 'no such file or directory; pass an HLO text file'),
-    (['--hlo={notes}', '--devices=8'], 'not an HLO module in text form'),
-    (['--hlo={program}'], '--hlo needs --devices N'),
-    (['--hlo={program}', '--devices=8', '--config=configs/tiny.py'], 'leave out --config'),
-    (['--hlo={program}', '--devices=8', '--hardware=a100-80-nvlink'],
-     'has no measured kernel rates'),
-    (['--hlo={program}', '--devices=8', '--devices-per-node=-1'],
-     '--devices-per-node=-1 must be at least 1'),
-])
+    (['--hlo={missing}'], 'no such file or directory; pass an HLO text file'),
+    (['--hlo={notes}'], 'not an HLO module in text form'),
+    (['--hlo={program}', '--config=configs/tiny.py'], 'leave out --config'),
+    (['--hlo={program}', '--hardware=a100-80-nvlink'], 'has no measured kernel rates'),
+    (['--hlo={program}', '--devices-per-node=-1'], '--devices-per-node=-1 must be at least 1'),
+    # The program says what it was compiled for: fewer devices read its groups out of range,
+    # more would time collectives over devices it does not have.
+    (['--hlo={program}', '--devices=4'], '--devices=4, but the program was compiled for 8 '
+     'devices (num_partitions × replica_count in its HloModule line); leave --devices out.'),
+    (['--hlo={program}', '--devices=16'], '--devices=16, but the program was compiled for 8'),
+    (['--hlo={cut}'], 'ends before its ENTRY computation does; pass the whole file'),
+    (['--hlo={cut_before_entry}'], 'ends before its ENTRY computation does'),
+], ids=['missing', 'not_hlo', 'config', 'no_rates', 'per_node', 'fewer_devices',
+        'more_devices', 'cut_in_entry', 'cut_before_entry'])
 def test_analyze_hlo_bad_input_is_a_config_error(tmp_path, args, message):
   """`analyze --hlo FILE`: what it needs, each missing piece named in one line."""
-  files = {'missing': tmp_path / 'missing.txt', 'notes': tmp_path / 'notes.txt',
-           'program': tmp_path / 'program.txt'}
+  files = {name: tmp_path / f'{name}.txt'
+           for name in ('missing', 'notes', 'program', 'cut', 'cut_before_entry')}
   files['notes'].write_text('not a program\n')
-  files['program'].write_text('HloModule m\n\nENTRY %main () -> f32[] {\n'
-                              '  ROOT %c = f32[] constant(0)\n}\n')
+  program = 'HloModule m, num_partitions=8\n\n' + ONE_OP
+  files['program'].write_text(program)
+  files['cut'].write_text(program[:program.index('ROOT') + 10])
+  files['cut_before_entry'].write_text(GPU_SNIPPET[:GPU_SNIPPET.index('ENTRY')])
   try:
     with pytest.raises(ConfigError, match=re.escape(message)):
       analyze_cli.read_hlo_flags(['prog', *(a.format(**files) for a in args)])
   finally:
     flags.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize('header, devices', [
+    ('HloModule m, is_scheduled=true, num_partitions=8', 8),
+    ('HloModule m, replica_count=2, num_partitions=4', 8),
+    ('HloModule m, is_scheduled=true', 1),  # XLA leaves out a count of 1
+])
+def test_analyze_hlo_times_the_devices_the_program_was_compiled_for(tmp_path, header, devices):
+  (tmp_path / 'program.txt').write_text(f'{header}\n\n{ONE_OP}')
+  try:
+    _, _, got, per_node = analyze_cli.read_hlo_flags(['prog', f'--hlo={tmp_path}/program.txt'])
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert (got, per_node) == (devices, 8)
+
+
+@pytest.mark.parametrize('cut, args', [(False, ['--devices', '4']), (True, ['--devices', '8'])],
+                         ids=['fewer_devices', 'cut_short'])
+def test_analyze_hlo_of_a_wrong_count_or_a_cut_file_is_one_line(cut, args, tmp_path, monkeypatch,
+                                                                capfd):
+  """The command on a program of 8 devices' collectives: told 4 devices, or the file cut in
+  its ENTRY computation, it says so in one line (it raised from deep in the HLO reader)."""
+  program = GPU_SNIPPET.replace('HloModule m\n', 'HloModule m, num_partitions=8\n')
+  path = tmp_path / 'program.txt'
+  path.write_text(program[:program.index('%rsd =')] if cut else program)
+  monkeypatch.setattr(sys, 'argv', ['jaxllm-analyze', '--hlo', str(path), *args])
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      analyze_cli.cli()
+  finally:
+    flags.FLAGS.unparse_flags()
+  err = capfd.readouterr().err
+  assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1, err
+  assert err.startswith('error: --devices=4, but' if not cut else f'error: --hlo {path}: ')
 
 
 @pytest.mark.parametrize('module, args, message', [

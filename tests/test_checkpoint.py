@@ -1,6 +1,7 @@
 """Checkpoints: exact resume after SIGKILL, restore onto other meshes, preemption, damaged
 checkpoints, non-finite steps, fine-tuning from params."""
 
+import errno
 import json
 import os
 import shutil
@@ -12,9 +13,11 @@ import time
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from conftest import REPO, paired_leaves, small_config, text_config
+from jaxllm.checkpoint import check_resumable
 from jaxllm.config import ConfigError, TrainingError
 from jaxllm.pipeline.spec import from_stage_order
 from jaxllm.train import setup, train
@@ -192,6 +195,89 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(corpus, tmp_path, 
   assert history[0]['step'] == 5
   assert os.path.isdir(tmp_path / 'checkpoints' / '8.unreadable')  # set aside, not deleted
   assert checkpoint_steps(tmp_path) == [4, 8, 10]
+
+
+@pytest.fixture(scope='module')
+def saved_at_2_and_4(tmp_path_factory):
+  """`small_config` trained 4 steps on one device, checkpointed at steps 2 and 4: its run
+  directory, for each test to copy."""
+  workdir = tmp_path_factory.mktemp('saved') / 'run'
+  cfg = small_config()
+  cfg.train.steps, cfg.checkpoint.every = 4, 2
+  train(cfg, str(workdir), jax.devices()[:1])
+  return workdir
+
+
+@pytest.mark.parametrize('error', [OSError(errno.EIO, 'Input/output error'),
+                                   ValueError('UNAVAILABLE: Error reading local file')],
+                         ids=['io_error', 'storage_unavailable'])
+def test_a_checkpoint_the_storage_fails_to_read_is_not_set_aside(error, saved_at_2_and_4,
+                                                                 tmp_path, monkeypatch):
+  """A read that fails for the storage's sake (an I/O error; tensorstore's UNAVAILABLE), not
+  for what the files hold, stops the run in one line and sets nothing aside (it set step 4
+  aside and resumed from 2); run again once the storage answers, it resumes from step 4."""
+  shutil.copytree(saved_at_2_and_4, tmp_path / 'run')
+  restore = ocp.CheckpointManager.restore
+
+  def failing(self, step, *args, **kwargs):
+    if step == 4:
+      raise error
+    return restore(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, 'restore', failing)
+  cfg = small_config()
+  cfg.train.steps = 6
+  with pytest.raises(TrainingError) as stopped:
+    setup(cfg, jax.devices()[:1], str(tmp_path / 'run'))
+  assert str(stopped.value).startswith(
+      f'checkpoint {tmp_path}/run/checkpoints/4 could not be read ({type(error).__name__}: ')
+  assert 'nothing was set aside' in str(stopped.value) and '\n' not in str(stopped.value)
+  assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['2', '4']
+  monkeypatch.setattr(ocp.CheckpointManager, 'restore', restore)
+  assert int(setup(cfg, jax.devices()[:1], str(tmp_path / 'run')).state.step) == 4
+
+
+def test_switching_fp8_on_a_resumed_run_names_the_field_and_init_from(saved_at_2_and_4,
+                                                                      tmp_path):
+  """model.fp8='delayed' keeps scales and amax histories in the train state, which a run
+  saved without it lacks: resuming says which field changed and how to switch (a new run
+  from the checkpoint's parameters), where it said no checkpoint could be read; the
+  checkpoints stay, and the way it names works."""
+  shutil.copytree(saved_at_2_and_4, tmp_path / 'run')
+  cfg = small_config()
+  cfg.model.fp8 = 'delayed'
+  cfg.train.steps = 6
+  step_dir = tmp_path / 'run' / 'checkpoints' / '4'
+  with pytest.raises(ConfigError) as refused:
+    setup(cfg, jax.devices()[:1], str(tmp_path / 'run'))
+  assert str(refused.value) == (
+      f"checkpoint {step_dir} was saved with model.fp8='none' but this run has model.fp8="
+      "'delayed': delayed FP8 scaling keeps scales and amax histories in the train state. "
+      f'Resume with the same, or start a new run from its parameters: init_from={step_dir} '
+      'and another --workdir (or checkpoint.dir).')
+  assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['2', '4']
+  cfg.init_from = str(step_dir)
+  run = setup(cfg, jax.devices()[:1], str(tmp_path / 'fp8'))
+  assert run.origin == f'parameters from {step_dir}, fresh optimizer state'
+  assert run.state.fp8 is not None
+
+
+@pytest.mark.parametrize('saved, now, field', [
+    (('delayed', 16), ('delayed', 8), 'model.fp8_history'),
+    (('delayed', 16), ('current', 16), 'model.fp8'),
+    (('none', 1024), ('current', 16), None),  # neither keeps FP8 state
+    (('current', 1024), ('none', 16), None),
+])
+def test_fp8_state_must_match_to_resume(saved, now, field):
+  saved_cfg = small_config()
+  saved_cfg.model.update(fp8=saved[0], fp8_history=saved[1])
+  model_cfg = small_config().model
+  model_cfg.update(fp8=now[0], fp8_history=now[1])
+  if field is None:
+    check_resumable(saved_cfg.to_dict(), model_cfg, 'ckpt/2')
+    return
+  with pytest.raises(ConfigError, match=rf'^checkpoint ckpt/2 was saved with {field}='):
+    check_resumable(saved_cfg.to_dict(), model_cfg, 'ckpt/2')
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

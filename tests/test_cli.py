@@ -130,6 +130,50 @@ def test_a_tensorboard_dir_that_cannot_be_written_is_a_config_error(tmp_path):
   assert sorted(os.listdir(workdir)) == ['tensorboard']
 
 
+@pytest.mark.slow
+def test_a_short_run_of_the_tiny_config_trains(tmp_path, monkeypatch, capsys):
+  """`python -m jaxllm.train --config configs/tiny.py --config.train.steps=10`, the first run
+  people try: tiny's 20 warmup steps are longer than the run, so it warms up over the 10 it
+  has, says so, and its last step takes the peak lr (halfway up tiny's own warmup: 1.5e-3)."""
+  workdir = tmp_path / 'run'
+  monkeypatch.chdir(REPO)
+  monkeypatch.setattr(sys, 'argv', ['jaxllm-train', '--config', 'configs/tiny.py',
+                                    '--config.train.steps=10', f'--workdir={workdir}',
+                                    '--config.distributed.num_processes=1',
+                                    '--config.compilation_cache='])
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
+  train.cli()
+  out = capsys.readouterr().out
+  assert ('note: optim.warmup_steps=20 is longer than the run (train.steps=10): the lr warms up '
+          'over its 10 steps and reaches optim.lr=0.003 on the last.\n') in out
+  [row] = [r for r in read_rows(workdir) if 'loss' in r]
+  assert row['step'] == 10 and row['lr'] == pytest.approx(3e-3, rel=1e-6)
+  assert math.isfinite(row['loss'])
+
+
+def test_a_workdir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capfd):
+  """--workdir under a file, with checkpoint.dir elsewhere (so the checkpoints' own check
+  passes): one line naming --workdir, where opening metrics.jsonl raised; nothing written."""
+  (tmp_path / 'a_file').write_text('kept')
+  workdir = tmp_path / 'a_file' / 'run'
+  monkeypatch.chdir(REPO)
+  monkeypatch.setattr(sys, 'argv', ['jaxllm-train', '--config', 'configs/tiny.py',
+                                    f'--workdir={workdir}',
+                                    f'--config.checkpoint.dir={tmp_path}/checkpoints',
+                                    '--config.data.source=synthetic', '--config.eval.every=0',
+                                    '--config.model.num_layers=1',
+                                    '--config.distributed.num_processes=1',
+                                    '--config.compilation_cache='])
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
+  with pytest.raises(SystemExit) as stopped:
+    train.cli()
+  err = capfd.readouterr().err
+  assert stopped.value.code == 2 and len(err.strip().splitlines()) == 1, err
+  assert err.startswith(f'error: --workdir={workdir}: cannot write there (')
+  assert 'point --workdir at a directory you can write to' in err
+  assert (tmp_path / 'a_file').read_text() == 'kept' and os.listdir(tmp_path / 'checkpoints') == []
+
+
 def test_tiny_config_fine_tunes_on_conversations_with_every_extra_split(tmp_path):
   """data.format='chat' (the byte tokenizer with a ChatML template file; the loss on the
   assistant's replies only, test_chat.py checks which tokens) with one K/V head over
@@ -204,6 +248,12 @@ BAD_INPUTS = {
     'zero_stage': (['--config.sharding.zero=3'], 'sharding.zero'),
     'negative_lr': (['--config.optim.lr=-1.0'], 'optim.lr'),  # trained by gradient ascent
     'lr_schedule': (['--config.optim.schedule=step'], 'optim.schedule'),
+    # one mesh axis on two dimensions of a weight ([embed, mlp]) or of an activation
+    # ([batch, seq, act_mlp])
+    'one_axis_on_two_weight_dimensions': (["--config.sharding.rules.mlp=('fsdp',)"],
+                                          "sharding.rules.mlp=('fsdp',)"),
+    'one_axis_on_two_activation_dimensions': (["--config.sharding.rules.act_mlp=('fsdp',)"],
+                                              "sharding.rules.act_mlp=('fsdp',)"),
 }
 
 
@@ -331,11 +381,9 @@ BAD_NUMBERS = [
       'optim.decay_steps': 5}, 'optim.warmup_steps=6 + optim.decay_steps=5 > train.steps=10'),
     ({'train.steps': 10, 'optim.schedule': 'wsd', 'optim.decay_steps': 11},
      'optim.warmup_steps=0 + optim.decay_steps=11 > train.steps=10'),
-    # a warmup longer than the run never reaches the peak lr, whatever the schedule
-    ({'train.steps': 10, 'optim.warmup_steps': 11},
-     'optim.warmup_steps=11 is longer than the run (train.steps=10)'),
-    ({'train.steps': 10, 'optim.schedule': 'constant', 'optim.warmup_steps': 20},
-     'optim.warmup_steps=20 is longer than the run (train.steps=10)'),
+    # a warmup longer than the run is shortened to it, but wsd's decay still has no room
+    ({'train.steps': 10, 'optim.schedule': 'wsd', 'optim.warmup_steps': 20},
+     'optim.warmup_steps=20 + optim.decay_steps=0 (a fifth of train.steps: 2) > train.steps=10'),
 ]
 ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)
 
@@ -368,6 +416,9 @@ def test_numbers_at_the_edge_of_their_range_are_valid():
     validate(with_fields({'train.steps': 10, 'optim.schedule': 'wsd',
                           'optim.warmup_steps': warmup, 'optim.decay_steps': decay}), ONE_DEVICE)
   validate(with_fields({'train.steps': 10, 'optim.warmup_steps': 10}), ONE_DEVICE)  # ends at peak
+  for schedule in ('cosine', 'linear', 'constant'):  # the warmup is shortened to the run
+    validate(with_fields({'train.steps': 10, 'optim.schedule': schedule,
+                          'optim.warmup_steps': 20}), ONE_DEVICE)
 
 
 def test_a_second_command_line_in_one_process_starts_from_the_config(monkeypatch):

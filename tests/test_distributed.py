@@ -18,7 +18,7 @@ from jaxllm.config import ConfigError
 from jaxllm.parallel.mesh import host_split, hosts
 
 # tiny's mesh data=2 × fsdp=2 × tensor=2; data is what spans the two processes.
-# Runs of a few steps: no warmup (a run may not be shorter than its warmup).
+# Runs of a few steps, without warmup.
 TINY = ['--config', 'configs/tiny.py', '--config.train.log_every=1', '--config.eval.every=0',
         '--config.data.streams=2', '--config.optim.warmup_steps=0']
 

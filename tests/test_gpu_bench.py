@@ -163,3 +163,54 @@ def test_gpu_bench_bad_input_is_one_line(args, message):
   assert out.returncode == 2, out.stderr
   assert out.stderr.strip().startswith('error: ') and message in out.stderr, out.stderr
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_the_warm_up_runs_on_until_its_seconds_have_passed():
+  """Steps go on after `warmup` until `warmup_s` has passed (a GPU's clock settles), before
+  the timed ones; the context given wraps only the timed steps."""
+  import time as clock
+  timing = sys.modules['timing']
+  calls, inside = [], []
+
+  def step(state, batch):
+    clock.sleep(0.01)
+    calls.append(batch)
+    return state + 1, {'loss': np.float32(batch)}
+
+  class During:
+    def __enter__(self):
+      inside.append(len(calls))
+
+    def __exit__(self, *_):
+      inside.append(len(calls))
+
+  start = clock.perf_counter()
+  step_s, first = timing.timed(step, 0, iter(range(1000)), steps=3, warmup=1, warmup_s=0.2,
+                               during=During)
+  assert clock.perf_counter() - start >= 0.2
+  warm = inside[0]
+  assert warm >= 0.2 / 0.01 * 0.5 and inside == [warm, warm + 3]  # the timed ones inside
+  assert first['loss'] == 0 and 0.01 <= step_s < 0.1
+
+
+def test_clocks_are_sampled_from_nvml_and_said_missing_without_it(monkeypatch):
+  device = jax.devices()[0]
+  monkeypatch.setitem(sys.modules, 'pynvml', None)  # not installed
+  with gpu.Clocks(device) as clocks:
+    pass
+  assert clocks.text().startswith('not sampled (NVML: ')
+
+  class FakeNvml:  # what the NVML bindings answer: MHz, and milliwatts
+    NVML_CLOCK_SM = 1
+    nvmlInit = nvmlShutdown = staticmethod(lambda: None)
+    nvmlDeviceGetHandleByIndex = staticmethod(lambda i: i)
+    nvmlDeviceGetClockInfo = staticmethod(lambda handle, which: 1465)
+    nvmlDeviceGetPowerUsage = staticmethod(lambda handle: 693_000)
+
+  monkeypatch.setitem(sys.modules, 'pynvml', FakeNvml)
+  import time as clock
+  with gpu.Clocks(device, interval=0.01) as clocks:
+    clock.sleep(0.1)
+  assert len(clocks.samples) >= 2 and set(clocks.samples) == {(1465, 693.0)}
+  assert re.match(r'SM 1,465–1,465 MHz \(mean 1,465\), power 693–693 W \(mean 693\), \d+ '
+                  r'samples while timed$', clocks.text())

@@ -401,6 +401,9 @@ BAD_INPUT = {  # moe fields, mesh and rules changes, the start of the one line i
                          "model.moe.dispatch='alltoall' is unknown; use one of ring, all_to_all"),
     'unknown_router': (dict(router='topk'), {},
                        "model.moe.router='topk' is unknown; use one of softmax, sigmoid"),
+    'unknown_grouped_matmul': (dict(grouped_matmul='pallas'), {},
+                               "model.moe.grouped_matmul='pallas' is unknown; use one of xla, "
+                               'triton'),
     'layers_not_in_groups': (dict(every=3), {},
                              'model.num_layers=4 less model.moe.first_dense=0 is not a multiple '
                              'of model.moe.every=3'),
@@ -408,7 +411,12 @@ BAD_INPUT = {  # moe fields, mesh and rules changes, the start of the one line i
                           'model.moe.first_dense=4 leaves no layer of model.num_layers=4'),
     'experts_and_their_mlp_on_one_axis': (dict(), dict(rules=dict(expert_mlp=('fsdp',))),
                                           "sharding.rules.experts=('fsdp',) and sharding.rules."
-                                          "expert_mlp=('fsdp',) both split over 'fsdp'"),
+                                          "expert_mlp=('fsdp',) both split over 'fsdp', but "
+                                          'one array has both axes ([layers, experts, -, '
+                                          'expert_mlp])'),
+    'experts_over_the_layers_axis': (dict(), dict(rules=dict(experts=('pipe',))),
+                                     "sharding.rules.layers=('pipe',) and sharding.rules."
+                                     "experts=('pipe',) both split over 'pipe'"),
     'fp8': (dict(), dict(model=dict(fp8='delayed')), "model.fp8='delayed' is not built for "
             'experts'),
     'one_f_one_b': (dict(), dict(pipe=2, pipeline=dict(schedule='1f1b')),
@@ -503,6 +511,31 @@ def test_router_biases_move_by_the_loads_of_the_whole_batch(short_documents):
   [bias_UE] = jax.tree.leaves(jax.device_get(state.router_bias))
   np.testing.assert_allclose(
       bias_UE, 0.01 * np.sign(load_UE.mean(-1, keepdims=True) - load_UE), atol=1e-8)
+
+
+def test_a_skipped_step_leaves_the_router_biases():
+  """train.skip_nonfinite: a step whose loss is NaN moves neither the parameters nor the
+  sigmoid routers' biases (its loads are finite: they would move), a good step moves both."""
+  from conftest import small_config
+  from jaxllm.train import setup
+  cfg = small_config()
+  cfg.model.update(num_layers=2, mlp_dim=32)
+  cfg.model.moe.update(experts=4, top_k=2, router='sigmoid', bias_rate=0.01)
+  cfg.train.skip_nonfinite = True
+  run = setup(cfg, jax.devices()[:1])
+  good = next(run.batches)
+  bad = dict(good, mask=jnp.full(good['mask'].shape, jnp.nan))
+  states = [jax.device_get(run.state)]  # the step donates the state it takes
+  with sharding_context(run.mesh, run.layout.rules):
+    state, row = run.train_step(run.state, good)
+    states.append(jax.device_get(state))
+    state, row = run.train_step(state, bad)
+    states.append(jax.device_get(state))
+  assert not row['finite'] and np.all(np.isfinite(row['moe_load']))
+  moved = [[np.abs(a - b).max() for a, b in paired_leaves((s1.params, s1.router_bias),
+                                                            (s0.params, s0.router_bias))]
+           for s0, s1 in zip(states, states[1:])]
+  assert min(moved[0]) > 0 and max(moved[1]) == 0
 
 
 @pytest.mark.slow

@@ -36,6 +36,9 @@ SCHEDULES = {
     'wsd': ('wsd', 2, 3, 10, lambda s: LR * s / 2 if s <= 2 else LR if s <= 7 else
             _linear(s - 7, 3)),
     'wsd_last_fifth': ('wsd', 1, 0, 10, lambda s: LR if s <= 8 else _linear(s - 8, 2)),
+    # a warmup longer than the run is shortened to it: the last step takes the peak
+    'warmup_past_the_run': ('cosine', 20, 0, 10, lambda s: LR * s / 10 if s <= 10 else FINAL),
+    'constant_warmup_past_the_run': ('constant', 8, 0, 4, lambda s: LR * s / 4 if s <= 4 else LR),
 }
 
 

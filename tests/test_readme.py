@@ -37,7 +37,8 @@ from test_hf import RULES, hf_logits, mesh_of, our_logits, save_hf_model
 README = os.path.join(REPO, 'README.md')
 TIMEOUT = 600
 # Overrides that only shorten a run: the only flags appended to a README command. A run
-# shorter than its warmup is refused (validate.py), so a shortened run's warmup is cut with it.
+# shorter than its warmup warms up over the run with a note; a shortened run's warmup is cut
+# with it (to what the run would take), which leaves the note out.
 SHORTEN = ('--config.train.steps=', '--config.optim.warmup_steps=', '--config.checkpoint.every=',
            '--config.eval.every=')
 TINY_STEPS = 12  # the README's profile traces steps 10–12
@@ -243,8 +244,8 @@ TABLE = {
     '--config.mesh.fsdp=8 --config.mesh.tensor=4 --config.train.global_batch=64 '
     '[--hardware h100-nvlink] [--compiler gpu|cpu] [--json] [--dump DIR]':
         run_by(ANALYZE, note='a syntax summary: its bracket-free form'),
-    'python -m jaxllm.analyze --hlo FILE --devices N [--hardware h100-nvlink] '
-    '[--devices-per-node 8] [--json]':
+    'python -m jaxllm.analyze --hlo FILE [--hardware h100-nvlink] [--devices-per-node 8] '
+    '[--json]':
         run_by(ANALYZE, note='a syntax summary: FILE a program compiled for 8 H100s here'),
     'python -m jaxllm.tune --config configs/tiny.py [--devices N] [--remat none,full] '
     '[--micro-batches 1,2] [--zero 0,1,2] [--splits none,sp,sp_cm,cp,cp_sp] [--loss-chunk 0,1024] '
@@ -503,15 +504,18 @@ MOE_STEPS = 30
 
 @pytest.mark.slow
 def test_the_tiny_moe_trains_and_reports_its_experts(tmp_path):
-  """configs/tiny_moe.py, MOE_STEPS steps: the loss falls, the log prints the README's experts
-  line, and metrics.jsonl and TensorBoard hold the routers' figures. Then one step with the
-  all-to-all dispatch."""
+  """configs/tiny_moe.py, MOE_STEPS steps: the loss falls, the log prints the README's (and
+  docs/moe.md's) experts line, and metrics.jsonl and TensorBoard hold the routers' figures.
+  Then one step with the all-to-all dispatch."""
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
   cwd = readme_cwd(tmp_path)
   shorten = [f'--config.train.steps={MOE_STEPS}', '--config.checkpoint.every=0',
              '--config.eval.every=0']  # the warmup of 10 stays
   result = run_readme(TINY_MOE, cwd, shorten=shorten)
-  assert readme_block(MOE_LOG_BLOCK).lines[0] in result.stdout.splitlines()
+  experts_line = readme_block(MOE_LOG_BLOCK).lines[0]
+  assert experts_line in result.stdout.splitlines()
+  with open(os.path.join(REPO, 'docs', 'moe.md')) as f:  # docs/moe.md prints it too
+    assert experts_line in f.read().splitlines()
   workdir = os.path.join(cwd, 'runs', 'tiny_moe')
   assert_trained(workdir, MOE_STEPS)
   rows = [r for r in metric_rows(workdir) if 'loss' in r]
@@ -667,7 +671,7 @@ def test_analyze_and_tune_as_printed(key, tmp_path):
   if '--hlo' in key:  # any program's HLO text: here a sharded matmul's, for 8 H100s
     program = tmp_path / 'program.hlo.txt'
     program.write_text(sharded_matmul_for_8_h100s())
-    out = run_readme(key, readme_cwd(tmp_path), subs=[('FILE', program), ('N', 8)]).stdout
+    out = run_readme(key, readme_cwd(tmp_path), subs=[('FILE', program)]).stdout
     assert re.search(r'^predicted on h100-nvlink: step [\d.]+ µs', out, re.M), out
     assert re.search(r'^  GEMMs +[\d.]+ ms', out, re.M) and 'all-reduce' in out, out
     return

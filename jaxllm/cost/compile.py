@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ class Compiled:
   zero_split_bytes: int        # per device: of the params, those whose update ZeRO splits over data
   executable: jax.stages.Compiled
   device: jax.Device           # one of the devices it was compiled for (their kind, platform)
+  xla_flags: str = ''          # XLA_FLAGS as the compiler read them (the run's xla_flags too)
 
   @property
   def cpu(self) -> bool:
@@ -106,4 +108,4 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
                   {'params': shard_bytes(state.params), 'optimizer': shard_bytes(state.opt_state)},
                   shard_bytes([head]), split(jax.tree.leaves(state.params)), split([head]),
                   split(jax.tree.leaves(state.params['blocks'])), shard_bytes(zero_split),
-                  executable, devices[0])
+                  executable, devices[0], os.environ.get('XLA_FLAGS', ''))

@@ -6,7 +6,8 @@ For each collective: its kind, element type, the mesh axes its device groups spa
 times it runs per step (loop trip counts multiplied through) and the bytes each device sends,
 by the ring formulas of a collective over N devices holding S bytes (result size):
 all-reduce 2(N−1)/N·S; all-gather and all-to-all (N−1)/N·S; reduce-scatter (N−1)·S (S is the
-scattered piece); collective-permute S. GPU programs run collectives asynchronously
+scattered piece); collective-permute, send and collective-broadcast S; ragged-all-to-all at
+most (N−1)/N of its output buffer (what it sends is known only when it runs). GPU programs run collectives asynchronously
 (`all-gather-start` … `-done`), several of them combined into one op; both forms are read.
 
 The CPU compiler has no reduce-scatter rewrite: it emits an all-reduce whose result is only
@@ -25,7 +26,10 @@ import re
 
 import numpy as np
 
-KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
+KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute',
+         'collective-broadcast', 'ragged-all-to-all', 'send')
+# Point to point: a pair of devices each (the bytes a device receives are its peer's send).
+PAIRWISE = ('collective-permute', 'send')
 DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
                'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8}
 # Ops that pass a value on whole (same elements), looked through when following a result.
@@ -99,6 +103,20 @@ def _parse_instruction(line: str) -> Instruction | None:
   args = rest[op.end():close - 1]
   return Instruction(m.group(2), shape, op.group(1), re.findall(r'%([\w.\-]+)', args), args,
                      rest[close:], is_root=bool(m.group(1)))
+
+
+# How a program written out with its XLA flags says them: a first line of this, then the
+# flags (`benchmarks/maxtext.py` writes its programs so).
+FLAGS_LINE = '// XLA_FLAGS: '
+
+
+def written_flags(text: str) -> tuple[str, str]:
+  """The XLA flags a program's text was written out with (`FLAGS_LINE`; '' without), and the
+  module's own text after them."""
+  if not text.startswith(FLAGS_LINE):
+    return '', text
+  line, _, module = text.partition('\n')
+  return line[len(FLAGS_LINE):], module
 
 
 def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
@@ -290,7 +308,8 @@ def _only_added(computations, comp: str, user: Instruction, values: set[str]) ->
 # Bytes one device sends per byte of a collective's result, in a group of n (ring formulas).
 RING = {'all-reduce': lambda n: 2 * (n - 1) / n, 'all-gather': lambda n: (n - 1) / n,
         'all-to-all': lambda n: (n - 1) / n, 'reduce-scatter': lambda n: n - 1,
-        'collective-permute': lambda n: 1}
+        'collective-permute': lambda n: 1, 'collective-broadcast': lambda n: 1,
+        'ragged-all-to-all': lambda n: (n - 1) / n, 'send': lambda n: 1}
 
 
 def bytes_by_dtype(shape: str) -> dict[str, int]:
@@ -345,7 +364,10 @@ def collective_kind(inst: Instruction) -> str | None:
 
 def delivered(inst: Instruction) -> str:
   """The shape of what a collective delivers. A GPU program's asynchronous starts hold
-  (operands, results, ...), except `all-reduce-start`, whose shape is its result."""
+  (operands, results, ...), except `all-reduce-start`, whose shape is its result; a send or
+  recv holds (data, context, token)."""
+  if inst.opcode in ('send', 'recv'):
+    return _tuple_elements(inst.shape)[0]
   if inst.opcode.endswith('-start') and inst.opcode != 'all-reduce-start':
     return _tuple_elements(inst.shape)[1]
   return inst.shape
@@ -372,8 +394,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list
       kind = collective_kind(inst)
       if kind is None:
         continue
-      axes, n = group_axes(device_groups(inst.attrs), mesh_shape,
-                           permute=kind == 'collective-permute')
+      axes, n = group_axes(device_groups(inst.attrs), mesh_shape, permute=kind in PAIRWISE)
       if n <= 1 or not axes:
         continue
       if kind == 'all-reduce' and cpu:

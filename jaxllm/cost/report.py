@@ -101,7 +101,8 @@ def predict(c: Compiled, hardware: Hardware) -> dict | None:
   spanning = axes_across_nodes(c.mesh_shape, c.cfg.mesh.across_hosts, hardware.devices_per_node)
   crosses = lambda groups: bool(spanning & set(hlo.group_axes(groups, c.mesh_shape)[0]))
   devices = math.prod(c.mesh_shape.values())
-  t = timing.step_time(c.text, hardware.rates, devices, crosses)
+  rates = hardware.rates.for_flags(c.xla_flags)
+  t = timing.step_time(c.text, rates, devices, crosses)
   cfg = c.cfg
   tokens = cfg.train.global_batch * cfg.data.seq_len
   model_flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
@@ -110,7 +111,8 @@ def predict(c: Compiled, hardware: Hardware) -> dict | None:
   bubble = c.pipeline.bubble_fraction if c.pipeline else 0.0
   return {**timing.summary(t), 'tokens_per_s': tokens / t.step_s, 'mfu': mfu('full'),
           'mfu_causal': mfu('causal'),
-          'bubble_s': bubble * (t.step_s - t.by_category['exposed_comm'])}
+          'bubble_s': bubble * (t.step_s - t.by_category['exposed_comm']),
+          'assumes': rates.assumptions()}
 
 
 def compiler(c: Compiled) -> dict:
@@ -259,9 +261,16 @@ def prediction_lines(pr: dict | None, hardware: str) -> list[str]:
             if pr['bubble_s'] else '')
   return [f'predicted on {hardware}: step {seconds_text(pr["step_s"])}, '
           f'{pr["tokens_per_s"]:,.0f} tokens/s, MFU {pr["mfu"]:.1%} ({pr["mfu_causal"]:.1%} with '
-          f'causal halving){bubble}. Each kernel timed from its shapes on measured rates, the '
-          'collectives hidden where the program overlaps them (see `jaxllm.cost.timing`):',
+          f'causal halving){bubble}. Each kernel timed from its shapes on measured rates '
+          f'({assumptions_text(pr["assumes"])}), the collectives hidden where the program '
+          'overlaps them (see `jaxllm.cost.timing`):',
           *timing.breakdown_lines(pr)]
+
+
+def assumptions_text(assumes: dict) -> str:
+  """What a prediction assumed of the run, in words."""
+  return (f'{assumes["clocks"]} clocks, cuDNN {assumes["cudnn"]} attention, command buffers '
+          f'{"on" if assumes["command_buffers"] else "off"}')
 
 
 def recomputed_text(fl: dict) -> str:
@@ -299,8 +308,10 @@ def program_report(text: str, hardware: Hardware, devices: int, devices_per_node
     row['bytes'] += x.bytes
   attention = sum(k.count * k.flops for k in hlo.fused_attention(text))
   flops = hlo.dot_flops(text) + attention
-  prediction = timing.summary(timing.step_time(text, hardware.rates, devices, crosses))
+  rates = hardware.rates.for_flags(hlo.written_flags(text)[0])
+  prediction = timing.summary(timing.step_time(text, rates, devices, crosses))
   prediction['flops_per_s_per_device'] = flops / prediction['step_s']
+  prediction['assumes'] = rates.assumptions()
   return {'program': {'devices': devices, 'devices_per_node': devices_per_node},
           'hardware': hardware.summary(),
           'flops': {'compiled_per_device': flops, 'attention_per_device': attention},
@@ -322,5 +333,5 @@ def format_program_report(r: dict) -> str:
                  f'{size_text(c["bytes"]):>12}')
   lines.append(f'predicted on {r["hardware"]["name"]}: step {seconds_text(pr["step_s"])}, '
                f'{pr["flops_per_s_per_device"] / 1e12:,.1f} TFLOP/s per device of the '
-               'program\'s own FLOPs')
+               f'program\'s own FLOPs ({assumptions_text(pr["assumes"])})')
   return '\n'.join(lines + timing.breakdown_lines(pr))

@@ -1,15 +1,17 @@
 """A compiled GPU program's step time, kernel by kernel.
 
 Every instruction of the optimized HLO is one kernel (or none: tuples, bitcasts, parameters),
-timed from its own shapes on a hardware profile (`jaxllm.cost.hardware`):
+timed from its own shapes on a hardware profile (`jaxllm.cost.hardware`), at the clocks the
+profile assumes (a step's sustained clocks, by default):
 - GEMMs (Triton GEMM fusions, cuBLAS/cuBLASLt calls, plain dots): FLOPs at the rate XLA's own
   measured table gives for that shape and element type (`KernelRates.gemm_rate`);
 - cuDNN attention, forward and backward: FLOPs (from the shapes, as `hlo.fused_attention`
-  counts them) at the profile's published kernel throughput;
+  counts them) at the published throughput of the profile's cuDNN;
+- custom calls a model registers a cost for (`register_custom_call`: a grouped GEMM's FLOPs
+  and shapes, say), at those;
 - every other fusion, copy or transpose: the larger of its bytes read and written at the
   memory bandwidth measured for a transfer of that size, and its FLOPs at the CUDA cores'
   peak;
-- each kernel also pays a launch cost;
 - collectives: latency + bytes one device sends ÷ bus bandwidth, inside a node or across.
 
 The kernels then run, in program order (loops for their trip counts), on two streams as on
@@ -17,13 +19,15 @@ the GPU: compute kernels one after another, and collectives in turn on a communi
 stream. An asynchronous collective starts when the compute stream reaches its start (and the
 previous collective is done) and the compute stream waits at its done: it is hidden by the
 kernels the schedule put between the two and exposed for the rest. A synchronous one stops
-both.
+both. While a collective runs, NCCL holds some of the SMs: GEMMs and attention beside it run
+on the rest, slower (`contention`). Each kernel leaves a gap behind it (`launch`); without
+command buffers the host launches every kernel itself, one after another, and after kernels
+shorter than a launch the GPU waits for the next one (`launch` too).
 
-What this leaves out: kernels' contention for memory bandwidth and SMs while a collective
-runs beside them, the clocks a GPU sustains through a whole step (the rates are those of
-kernels measured alone), autotuning's choice of GEMM kernel (a deviceless compile does not
-autotune: the table's measured rate stands for the kernel a run would pick), and the host. A
-loop whose trip count XLA does not know is run once.
+What this leaves out: contention for memory bandwidth, autotuning's choice of GEMM kernel (a
+deviceless compile does not autotune: the table's measured rate stands for the kernel a run
+would pick), and the host beyond launches. A loop whose trip count XLA does not know runs its
+body once, and the timing names it (`Timing.untimed`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ NO_KERNEL = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', '
              'all-gather-done', 'all-reduce-done', 'collective-permute-done', 'async-done',
              'async-update', 'reduce-scatter-done', 'all-to-all-done', 'copy-done', 'send-done',
              'recv-done', 'while', 'conditional', 'call'}
-CATEGORIES = ('gemm', 'attention', 'memory', 'launch', 'exposed_comm')
+CATEGORIES = ('gemm', 'attention', 'memory', 'launch', 'contention', 'exposed_comm')
+# Kernels that need every SM they can get, and run slower on those NCCL leaves them.
+SM_BOUND = ('gemm', 'attention')
 # Ops inside a fusion that move or reshape values and compute nothing; every other op is one
 # FLOP per element on the CUDA cores.
 STRUCTURAL = NO_KERNEL | {'broadcast', 'reshape', 'transpose', 'slice', 'dynamic-slice',
@@ -62,21 +68,24 @@ class Kernel:
   count: int = 0    # executions per step
   flops: float = 0.0
   bytes: float = 0.0
+  slowed_s: float = 0.0  # per step: what it lost to SMs NCCL held beside it
 
 
 @dataclasses.dataclass
 class Timing:
   """Where a step's time goes (seconds per step): `by_category` sums to `step_s`, the
-  collectives' hidden time apart; `kernels`, every kernel with its executions per step."""
+  collectives' hidden time apart; `kernels`, every kernel with its executions per step;
+  `untimed`, what the model could not time as it runs (said, not guessed)."""
   step_s: float
   by_category: dict[str, float]
   hidden_comm_s: float
   comm_s: float
   kernels: list[Kernel]
+  untimed: list[str] = dataclasses.field(default_factory=list)
 
   def top(self, k: int = 10) -> list[Kernel]:
     """The `k` kernels (collectives included) that take the most time per step."""
-    return sorted(self.kernels, key=lambda x: -x.seconds * x.count)[:k]
+    return sorted(self.kernels, key=lambda x: -(x.seconds * x.count + x.slowed_s))[:k]
 
 
 # --- one kernel's time -------------------------------------------------------------------
@@ -150,11 +159,34 @@ def _fusion_traffic(computations, inst: hlo.Instruction, insts: dict) -> tuple[f
   return moved, flops
 
 
+@dataclasses.dataclass(frozen=True)
+class CustomCallCost:
+  """What a custom-call kernel does, as its registered cost function reads it from the
+  instruction: GEMMs it runs (timed at the GEMM table's rates), and otherwise bytes it reads
+  and writes and CUDA-core FLOPs (timed as a memory-bound kernel)."""
+  gemms: tuple = ()    # (element types, batch, m, n, k) of each GEMM it runs
+  bytes: float = 0.0
+  flops: float = 0.0
+
+
+# custom_call_target -> cost function (the instructions of its computation, the instruction).
+CUSTOM_CALLS: dict[str, Callable[[dict, hlo.Instruction], CustomCallCost]] = {}
+
+
+def register_custom_call(target: str,
+                         cost: Callable[[dict, hlo.Instruction], CustomCallCost]) -> None:
+  """Times custom calls to `target` (e.g. a Triton kernel's `__gpu$xla.gpu.triton`) by what
+  `cost` reads of them. Unregistered ones are timed as memory-bound on their operands and
+  results."""
+  CUSTOM_CALLS[target] = cost
+
+
 def kernel_time(computations, comp: str, inst: hlo.Instruction,
                 rates: KernelRates) -> Kernel | None:
   """`inst` as a kernel, or None when it launches none (or is a collective)."""
   insts = computations[comp]
-  if inst.opcode in NO_KERNEL or hlo.collective_kind(inst) is not None:
+  if (inst.opcode in NO_KERNEL or inst.opcode == 'recv'
+      or hlo.collective_kind(inst) is not None):
     return None
   kernel = Kernel(inst.name, hlo.op_name(inst), 'memory', 0.0)
   target = re.search(r'custom_call_target="([^"]+)"', inst.attrs)
@@ -162,6 +194,16 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction,
   if shape := hlo.gemm_shape(insts, inst):
     kernel.category = 'gemm'
     kernel.seconds, kernel.flops = _gemm(rates, [shape])
+    return kernel
+  if target in CUSTOM_CALLS:
+    cost = CUSTOM_CALLS[target](insts, inst)
+    kernel.bytes = cost.bytes
+    if cost.gemms:
+      kernel.category = 'gemm'
+      kernel.seconds, kernel.flops = _gemm(rates, cost.gemms)
+      return kernel
+    kernel.flops = cost.flops
+    kernel.seconds = max(rates.memory_seconds(cost.bytes), cost.flops / rates.vector_flops)
     return kernel
   if target.startswith('__cudnn$fmha'):
     attention = hlo.attention_kernel(inst, 1, None)
@@ -206,24 +248,25 @@ class Transfer:
 
 def transfer(computations, inst: hlo.Instruction, rates: KernelRates, devices: int,
              crosses: Callable[[list[list[int]] | None], bool]) -> Transfer | None:
-  """`inst` as a collective call, or None when it is none (or one device's)."""
+  """`inst` as a collective call, or None when it is none (or one device's). A recv takes
+  as long as its peer's send of the same bytes."""
   found = inst
   if inst.opcode == 'async-start':  # an asynchronous collective wraps a synchronous one
     found = next((i for i in computations.get(hlo.called(inst), {}).values()
                   if hlo.collective_kind(i) is not None), inst)
-  kind = hlo.collective_kind(found)
+  kind = 'recv' if inst.opcode == 'recv' else hlo.collective_kind(found)
   if kind is None:
     return None
   groups = hlo.device_groups(found.attrs)
-  size = 2 if kind == 'collective-permute' else (max(len(g) for g in groups) if groups
-                                                 else devices)
+  pairwise = kind in hlo.PAIRWISE or kind == 'recv'
+  size = 2 if pairwise else (max(len(g) for g in groups) if groups else devices)
   if size <= 1:
     return None
-  sent = sum(hlo.sent_by_dtype(found, kind, size).values())
+  sent = sum(hlo.sent_by_dtype(found, 'send' if kind == 'recv' else kind, size).values())
   across = crosses(groups)
   return Transfer(inst.name, kind, sent, across,
                   rates.collective_seconds(kind, size, across, sent),
-                  inst.opcode.endswith('-start'))
+                  inst.opcode.endswith('-start') or inst.opcode in ('send', 'recv'))
 
 
 # --- the two streams ----------------------------------------------------------------------
@@ -232,17 +275,22 @@ def transfer(computations, inst: hlo.Instruction, rates: KernelRates, devices: i
 class Streams:
   compute: float = 0.0   # when the compute stream is free
   comm: float = 0.0      # when the communication stream is free
+  host: float = 0.0      # when the host has launched the last kernel (no command buffers)
   pending: dict = dataclasses.field(default_factory=dict)  # collective id -> its end
 
   def shift(self, seconds: float) -> None:
     self.compute += seconds
     self.comm += seconds
+    self.host += seconds
     self.pending = {k: v + seconds for k, v in self.pending.items()}
+
+  def copy(self) -> Streams:
+    return Streams(self.compute, self.comm, self.host, dict(self.pending))
 
 
 class Simulator:
   """Runs a program's kernels on the two streams (see the module's docstring), tallying how
-  often each runs per step."""
+  often each runs per step, what each lost beside NCCL and what the host made the GPU wait."""
 
   def __init__(self, text: str, rates: KernelRates, devices: int,
                crosses: Callable[[list[list[int]] | None], bool]):
@@ -251,6 +299,9 @@ class Simulator:
     self.kernels: dict[tuple[str, str], Kernel | None] = {}
     self.transfers: dict[tuple[str, str], Transfer | None] = {}
     self.tally = collections.Counter()  # (computation, instruction) -> executions per step
+    self.slowed = collections.Counter()  # (computation, instruction) -> seconds per step
+    self.host_waits = 0.0                # seconds per step the GPU waited for launches
+    self.untimed: list[str] = []
     self.ids = itertools.count()
 
   def kernel(self, comp: str, inst: hlo.Instruction) -> Kernel | None:
@@ -266,15 +317,43 @@ class Simulator:
                                      self.crosses)
     return self.transfers[key]
 
-  def run(self, comp: str, streams: Streams, argument=None, times: int = 1):
-    """Runs computation `comp` once, standing for `times` executions in the tally; returns
-    what its root carries of pending collectives (an id, or a list for a tuple)."""
+  def launch(self, streams: Streams, times: int, compute: bool = True) -> float:
+    """When the next kernel may start: at once from a command buffer; else once the host,
+    launching one kernel after another, has launched it. The compute stream's wait for it is
+    booked to `launch` (a collective's kernel waits on its own stream)."""
+    if self.rates.command_buffers:
+      return streams.compute
+    streams.host += self.rates.host_launch_s
+    if streams.host > streams.compute:
+      self.host_waits += (streams.host - streams.compute) * times if compute else 0.0
+      return streams.host
+    return streams.compute
+
+  def execute(self, comp: str, k: Kernel, streams: Streams, times: int) -> None:
+    """Runs kernel `k` on the compute stream. An SM-bound kernel runs on the SMs NCCL leaves
+    while the communication stream is busy, at full speed after."""
+    start = self.launch(streams, times)
+    end = start + k.seconds
+    busy_until = streams.comm if k.category in SM_BOUND else start
+    if busy_until > start:
+      share = 1 - self.rates.collective_sms / self.rates.sm_count
+      beside = (busy_until - start) * share  # work done while NCCL runs
+      end = start + k.seconds / share if k.seconds <= beside else (
+          busy_until + k.seconds - beside)
+      self.slowed[comp, k.name] += (end - start - k.seconds) * times
+    streams.compute = end + self.rates.launch_s
+
+  def run(self, comp: str, streams: Streams, arguments=(), times: int = 1):
+    """Runs computation `comp` once, standing for `times` executions in the tally; each
+    parameter carries its argument's pending collectives (an id, or a list for a tuple);
+    returns what its root carries."""
     carried = {}  # value name -> a pending collective's id, or a list of them for a tuple
     for inst in self.computations[comp].values():
       ops = inst.operands
       first = carried.get(ops[0]) if ops else None
       if inst.opcode == 'parameter':
-        carried[inst.name] = argument
+        index = int(inst.args) if inst.args.isdigit() else 0
+        carried[inst.name] = arguments[index] if index < len(arguments) else None
       elif inst.opcode == 'tuple':
         carried[inst.name] = [carried.get(o) for o in ops]
       elif inst.opcode == 'get-tuple-element':
@@ -285,58 +364,76 @@ class Simulator:
       elif inst.opcode == 'while':
         carried[inst.name] = self.loop(inst, streams, first, times)
       elif inst.opcode in ('call', 'conditional'):
-        carried[inst.name] = self.call(inst, streams, first, times)
+        carried[inst.name] = self.call(inst, streams, [carried.get(o) for o in ops], times)
       elif inst.opcode.endswith('-done'):
         for i in first if isinstance(first, list) else [first]:
           if i in streams.pending:
             streams.compute = max(streams.compute, streams.pending.pop(i))
       elif (t := self.transfer(comp, inst)) is not None:
         self.tally[comp, inst.name] += times
-        streams.comm = max(streams.compute, streams.comm) + t.seconds
+        issued = self.launch(streams, times, compute=False)
+        carried[inst.name] = next(self.ids)
+        if t.kind == 'recv':  # arrives as the peer's send goes, beside this device's own
+          streams.pending[carried[inst.name]] = issued + t.seconds
+          continue
+        streams.comm = max(issued, streams.comm) + t.seconds
         if t.asynchronous:
-          carried[inst.name] = next(self.ids)
           streams.pending[carried[inst.name]] = streams.comm
         else:
           streams.compute = streams.comm
       elif (k := self.kernel(comp, inst)) is not None:
         self.tally[comp, inst.name] += times
-        streams.compute += k.seconds + self.rates.launch_s
+        self.execute(comp, k, streams, times)
     root = next((i for i in self.computations[comp].values() if i.is_root), None)
     return carried.get(root.name) if root else None
 
   def loop(self, inst: hlo.Instruction, streams: Streams, argument, times: int):
     """A while loop: its first two iterations run, the second standing for all but the first;
     the rest of the loop takes, per iteration, the longer of what the second took on either
-    stream (the stream that limits a steady loop)."""
+    stream (the stream that limits a steady loop). A loop whose trip count XLA does not know
+    runs once, and is named in `untimed`."""
     body = re.search(r'body=%?([\w.\-]+)', inst.attrs).group(1)
     trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
+    if not trips:
+      self.untimed.append(f'while loop %{inst.name}: trip count unknown, its body timed once')
     trips = int(trips.group(1)) if trips else 1
-    carried = self.run(body, streams, argument, times)
+    carried = self.run(body, streams, [argument], times)
     if trips > 1:
       before = (streams.compute, streams.comm)
-      carried = self.run(body, streams, carried, times * (trips - 1))
+      carried = self.run(body, streams, [carried], times * (trips - 1))
       streams.shift((trips - 2) * max(streams.compute - before[0], streams.comm - before[1]))
     return carried
 
-  def call(self, inst: hlo.Instruction, streams: Streams, argument, times: int):
-    """A call runs its computation; a conditional, the branch that takes longest."""
-    names = re.findall(r'(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)',
-                       inst.attrs)
+  def call(self, inst: hlo.Instruction, streams: Streams, arguments: list, times: int):
+    """A call runs its computation on its operands; a conditional, the branch that takes
+    longest, on the operand that branch takes (the first operand picks the branch)."""
     branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
-    names += re.findall(r'%?([\w.\-]+)', branches.group(1)) if branches else []
+    if inst.opcode == 'call':
+      names = [(re.search(r'to_apply=%?([\w.\-]+)', inst.attrs).group(1), arguments)]
+    elif branches:
+      names = [(name, arguments[i + 1:i + 2])
+               for i, name in enumerate(re.findall(r'%?([\w.\-]+)', branches.group(1)))]
+    else:
+      names = [(re.search(rf'{side}_computation=%?([\w.\-]+)', inst.attrs).group(1),
+                arguments[i + 1:i + 2]) for i, side in enumerate(('true', 'false'))]
     best = None
-    for name in names:
-      trial = Streams(streams.compute, streams.comm, dict(streams.pending))
-      tally, self.tally = self.tally, collections.Counter()
-      carried = self.run(name, trial, argument, times)
-      trial_tally, self.tally = self.tally, tally
+    for name, branch_arguments in names:
+      trial = streams.copy()
+      saved = self.tally, self.slowed, self.host_waits
+      self.tally, self.slowed, self.host_waits = collections.Counter(), collections.Counter(), 0.0
+      carried = self.run(name, trial, branch_arguments, times)
+      outcome = trial, self.tally, self.slowed, self.host_waits, carried
+      self.tally, self.slowed, self.host_waits = saved
       if best is None or trial.compute > best[0].compute:
-        best = trial, trial_tally, carried
+        best = outcome
     if best is None:
       return None
-    trial, tally, carried = best
-    streams.compute, streams.comm, streams.pending = trial.compute, trial.comm, trial.pending
+    trial, tally, slowed, host_waits, carried = best
+    streams.compute, streams.comm, streams.host = trial.compute, trial.comm, trial.host
+    streams.pending = trial.pending
     self.tally.update(tally)
+    self.slowed.update(slowed)
+    self.host_waits += host_waits
     return carried
 
 
@@ -350,19 +447,21 @@ def step_time(text: str, rates: KernelRates, devices: int,
   sim.run(hlo.parse_module(text)[1], streams)
   step = max([streams.compute, streams.comm, *streams.pending.values()])
   by_category = dict.fromkeys(CATEGORIES, 0.0)
+  by_category['launch'] = sim.host_waits
   kernels, comm = [], 0.0
   for key, count in sim.tally.items():
     if (k := sim.kernels.get(key)) is not None:
-      kernels.append(dataclasses.replace(k, count=count))
+      kernels.append(dataclasses.replace(k, count=count, slowed_s=sim.slowed[key]))
       by_category[k.category] += k.seconds * count
       by_category['launch'] += rates.launch_s * count
+      by_category['contention'] += sim.slowed[key]
     elif (t := sim.transfers.get(key)) is not None:
       comm += t.seconds * count
       kernels.append(Kernel(t.name, t.kind, 'collective', t.seconds, count, 0.0, t.bytes))
   busy = sum(by_category.values())
   by_category['exposed_comm'] = max(0.0, step - busy)
   return Timing(busy + by_category['exposed_comm'], by_category,
-                max(0.0, comm - by_category['exposed_comm']), comm, kernels)
+                max(0.0, comm - by_category['exposed_comm']), comm, kernels, sim.untimed)
 
 
 def node_crossing(devices_per_node: int, devices: int):
@@ -376,7 +475,7 @@ def node_crossing(devices_per_node: int, devices: int):
 
 
 LABELS = {'gemm': 'GEMMs', 'attention': 'attention', 'memory': 'memory-bound',
-          'launch': 'launches', 'exposed_comm': 'exposed comm'}
+          'launch': 'launches', 'contention': 'beside NCCL', 'exposed_comm': 'exposed comm'}
 
 
 def summary(t: Timing, top: int = 10) -> dict:
@@ -386,8 +485,10 @@ def summary(t: Timing, top: int = 10) -> dict:
   return {'step_s': t.step_s, **{f'{c}_s': t.by_category[c] for c in CATEGORIES},
           'comm_s': t.comm_s, 'hidden_comm_s': t.hidden_comm_s, 'kernel_launches': launches,
           'top_kernels': [{'name': k.name, 'op': k.op, 'category': k.category, 'count': k.count,
-                           'seconds': k.seconds * k.count, 'flops': k.flops * k.count,
-                           'bytes': k.bytes * k.count} for k in t.top(top)]}
+                           'seconds': k.seconds * k.count + k.slowed_s,
+                           'flops': k.flops * k.count, 'bytes': k.bytes * k.count}
+                          for k in t.top(top)],
+          'untimed': list(t.untimed)}
 
 
 def breakdown_lines(p: dict) -> list[str]:
@@ -396,10 +497,12 @@ def breakdown_lines(p: dict) -> list[str]:
   lines = []
   for c in CATEGORIES:
     note = {'launch': f'{p["kernel_launches"]:,} kernels',
+            'contention': 'GEMMs and attention on the SMs NCCL leaves while it runs',
             'exposed_comm': f'of {p["comm_s"] * 1e3:,.2f} ms of collectives, '
                             f'{p["hidden_comm_s"] * 1e3:,.2f} ms hidden behind kernels'}.get(c, '')
     lines.append(f'  {LABELS[c]:13} {p[f"{c}_s"] * 1e3:>10,.2f} ms {p[f"{c}_s"] / step:>6.1%}'
                  + (f'   {note}' if note else ''))
+  lines += [f'  not timed as it runs: {note}' for note in p.get('untimed', [])]
   lines.append(f'  the {len(p["top_kernels"])} most expensive kernels (per step):')
   for k in p['top_kernels']:
     lines.append(f'  {k["seconds"] * 1e3:>10,.2f} ms {k["seconds"] / step:>6.1%}  '

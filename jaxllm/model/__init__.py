@@ -4,6 +4,7 @@
 
 from jaxllm.model.attention import with_available_attention
 from jaxllm.model.kv_cache import KVCache
-from jaxllm.model.transformer import Transformer, sequence_positions
+from jaxllm.model.transformer import LOGICAL_SHAPES, Transformer, sequence_positions
 
-__all__ = ['KVCache', 'Transformer', 'sequence_positions', 'with_available_attention']
+__all__ = ['KVCache', 'LOGICAL_SHAPES', 'Transformer', 'sequence_positions',
+           'with_available_attention']

@@ -17,7 +17,7 @@ from ml_collections import ConfigDict, FrozenConfigDict
 
 from jaxllm.model.attention import Attention
 from jaxllm.model.embedding import sharded_lookup
-from jaxllm.model.kv_cache import KVCache, LayerCache
+from jaxllm.model.kv_cache import KV_CACHE_AXES, KVCache, LayerCache
 from jaxllm.model.layers import MLP, RMSNorm, param, project
 from jaxllm.model.loss import chunked_loss_sum
 from jaxllm.model.moe import MoE, has_experts
@@ -30,6 +30,19 @@ from jaxllm.parallel.mesh import constrain
 # parallelism: with act_seq=('tensor',) the tensor all-reduces after the attention and MLP
 # outputs become reduce-scatters, and all-gathers before the next matmuls).
 RESIDUAL_AXES = ('batch', ('seq', 'act_seq'), 'act_embed')
+
+# The logical axes of every array the model lays out by `sharding.rules`: its parameters (the
+# blocks' stacked on 'layers'), and with them their gradients and moments, and the activations
+# it pins. Validation checks each against the rules (a mesh axis splits at most one dimension
+# of an array); tests/test_rules.py checks the list against what a traced step lays out.
+LOGICAL_SHAPES = (
+    ('vocab', 'embed'), ('embed', 'vocab'), ('norm',),
+    ('layers', 'embed', 'heads', 'head_dim'), ('layers', 'embed', 'kv_heads', 'head_dim'),
+    ('layers', 'heads', 'head_dim', 'embed'), ('layers', 'embed', 'mlp'),
+    ('layers', 'mlp', 'embed'), ('layers', 'norm'), ('layers', 'experts', None, 'expert_mlp'),
+    RESIDUAL_AXES, ('batch', 'seq', 'act_heads', None), ('batch', 'seq', 'act_kv_heads', None),
+    ('batch', 'seq', 'act_mlp'), ('batch', 'seq', 'act_vocab'), KV_CACHE_AXES,
+)
 
 
 class Block(nnx.Module):

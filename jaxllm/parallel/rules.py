@@ -76,6 +76,22 @@ def derive(rules: Mapping, mesh_shape: Mapping[str, int], model_cfg, zero: int =
   return Layout(table, dict(mesh_shape), zero if mesh_shape['data'] > 1 else 0)
 
 
+def collision(rules: Mapping, shape) -> tuple[str, str, str] | None:
+  """(mesh axis, logical name, logical name) of the first mesh axis that splits two
+  dimensions of an array with logical axes `shape` (per dimension: a name, a tuple of names
+  splitting it in turn, or None), by the `rules` of those names; the same name twice when its
+  own rule names the axis twice. None when each mesh axis splits at most one dimension, as
+  a sharding must."""
+  seen: dict[str, str] = {}
+  for entry in shape:
+    for name in entry if isinstance(entry, tuple) else (entry,):
+      for axis in mesh_axes(rules[name]) if name else ():
+        if axis in seen:
+          return axis, seen[axis], name
+        seen[axis] = name
+  return None
+
+
 def batch_shards(rules: Mapping, mesh_shape: Mapping[str, int]) -> int:
   """How many ways the batch's rows are split: the sizes of the batch rule's axes."""
   return parts(rules['batch'], mesh_shape)
