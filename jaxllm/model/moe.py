@@ -163,9 +163,10 @@ def dispatch(x_BTD, ids_BTK, gates_BTK, weights, m):
   if not mesh.axis_names:  # no mesh in scope: one device
     return run(x_BTD, ids_BTK, gates_BTK, *weights)
   auto = set(mesh.axis_names) - set(mesh.manual_axes)
-  return jax.shard_map(run, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
-                       out_specs=(tokens, P()), axis_names=auto, check_vma=False)(
-                           x_BTD, ids_BTK, gates_BTK, *weights)
+  with jax.named_scope('moe_dispatch'):  # names its collectives for the cost model
+    return jax.shard_map(run, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                         out_specs=(tokens, P()), axis_names=auto, check_vma=False)(
+                             x_BTD, ids_BTK, gates_BTK, *weights)
 
 
 def _ranks(keys_A, n: int):
