@@ -80,18 +80,23 @@ def grouped_gemm_cost(rows: int | None):
   return cost
 
 
-def grouped_gemm_flops(hlo_text: str, rows: int | None) -> dict[str, float]:
-  """FLOPs per step of the program's grouped-GEMM kernels, by kernel name, at `rows` routed
-  rows a call (None: every row of their buffers)."""
+def grouped_gemm_flops(hlo_text: str, rows: int | None) -> tuple[dict[str, float],
+                                                                  dict[str, float]]:
+  """FLOPs per step of the program's grouped-GEMM kernels at `rows` routed rows a call (None:
+  every row of their buffers): by kernel name, and of those the forward calls rerun in the
+  backward, by who reruns them (`hlo.recomputed_by`: 'remat', 'xla')."""
   computations, counts = hlo.program(hlo_text)
-  found = dict.fromkeys(KERNELS, 0.0)
+  by_kernel, recomputed = dict.fromkeys(KERNELS, 0.0), {'remat': 0.0, 'xla': 0.0}
   for comp, insts in computations.items():
     for inst in insts.values() if counts.get(comp) else ():
       call = triton_call(inst)
       if call and (gemm := grouped_gemm(*call, rows)):
         _, b, m, n, k = gemm
-        found[call[0]] += counts[comp] * 2.0 * b * m * n * k
-  return found
+        flops = counts[comp] * 2.0 * b * m * n * k
+        by_kernel[call[0]] += flops
+        if who := hlo.recomputed_by(hlo_text, comp, inst):
+          recomputed[who] += flops
+  return by_kernel, recomputed
 
 
 def dispatch_collectives(hlo_text: str, mesh_shape: dict[str, int], cpu: bool):

@@ -135,8 +135,10 @@ def mixture_of_experts(c: Compiled, hardware: Hardware) -> dict | None:
   analytic = experts.expected_dispatch_bytes(c.cfg, shape, expert_axes, c.layout.batch_shards,
                                              moe_layers(m))
   compiled = sum(b for (axes, _), b in sent.items() if set(axes) <= set(expert_axes))
+  by_kernel, recomputed = experts.grouped_gemm_flops(c.text, rows)
   return {'dispatch': m.moe.dispatch, 'routed_rows_per_call': rows,
-          'grouped_gemm_flops_per_device': experts.grouped_gemm_flops(c.text, rows),
+          'grouped_gemm_flops_per_device': by_kernel,
+          'grouped_gemm_recomputed_per_device': recomputed,
           'collectives': [{'axes': list(axes), 'kind': kind, 'bytes': b}
                           for (axes, kind), b in sorted(sent.items())],
           'expert_axes': list(expert_axes), 'dispatch_bytes': compiled,
@@ -170,6 +172,8 @@ def report(c: Compiled, hardware: Hardware) -> dict:
   attn = attention(c)
   compiled_flops = matmul_flops + attn['flops_per_device']
   recomputed = hlo.recomputed_flops(c.text)
+  for who, flops in (moe['grouped_gemm_recomputed_per_device'] if moe else {}).items():
+    recomputed[who] += flops
   mem = memory(c)
   usable, fraction = usable_memory(hardware)
   counts = metrics.param_counts(m)

@@ -82,8 +82,8 @@ def moe_fields(hf: dict, kind: str, where: str) -> dict:
     moe_at = [i for i, w in enumerate(wanted) if w]
     raise ConfigError(f'{where}: the MoE layers {moe_at} (from mlp_only_layers and '
                       'decoder_sparse_step) are not some first dense layers followed by every '
-                      "n-th layer, which is what jaxllm's model.moe.first_dense and model.moe.every "
-                      'can say; no jaxllm model computes this checkpoint.')
+                      "n-th layer, which is all jaxllm's model.moe.first_dense and "
+                      'model.moe.every can say; no jaxllm model computes this checkpoint.')
   first_dense, every = layout
   mixtral = kind == 'mixtral'
   return dict(experts=experts, top_k=int(hf.get('num_experts_per_tok', 2)),
