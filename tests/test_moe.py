@@ -513,6 +513,7 @@ def test_router_biases_move_by_the_loads_of_the_whole_batch(short_documents):
       bias_UE, 0.01 * np.sign(load_UE.mean(-1, keepdims=True) - load_UE), atol=1e-8)
 
 
+@pytest.mark.slow
 def test_a_skipped_step_leaves_the_router_biases():
   """train.skip_nonfinite: a step whose loss is NaN moves neither the parameters nor the
   sigmoid routers' biases (its loads are finite: they would move), a good step moves both."""
