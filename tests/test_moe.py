@@ -96,24 +96,27 @@ def plain(tree):
   return jax.tree.map(lambda v: v[...], nnx.to_pure_dict(tree)) if tree else tree
 
 
-LAYER_CASES = {  # moe fields, mesh
-    'softmax_ring': (dict(), 'one_device'),
-    'softmax_all_to_all': (dict(dispatch='all_to_all'), 'one_device'),
+LAYER_CASES = {  # moe fields, mesh, in the quick tier
+    'softmax_ring': (dict(), 'one_device', False),
+    'softmax_all_to_all': (dict(dispatch='all_to_all'), 'one_device', False),
     'sigmoid_shared_ring': (dict(router='sigmoid', route_scale=2.5, shared_experts=2),
-                            'one_device'),
-    'softmax_unnormalised_ring_fsdp4': (dict(renormalize=False), 'fsdp4'),
-    'sigmoid_all_to_all_fsdp4': (dict(router='sigmoid', dispatch='all_to_all'), 'fsdp4'),
-    'softmax_ring_data_fsdp_tensor': (dict(), 'data2_fsdp2_tensor2_experts_over_data_fsdp'),
+                            'one_device', True),
+    'softmax_unnormalised_ring_fsdp4': (dict(renormalize=False), 'fsdp4', False),
+    'sigmoid_all_to_all_fsdp4': (dict(router='sigmoid', dispatch='all_to_all'), 'fsdp4', True),
+    'softmax_ring_data_fsdp_tensor': (dict(), 'data2_fsdp2_tensor2_experts_over_data_fsdp',
+                                      True),
     'sigmoid_all_to_all_data_fsdp_tensor': (dict(router='sigmoid', dispatch='all_to_all'),
-                                            'data2_fsdp2_tensor2_experts_over_data_fsdp'),
+                                            'data2_fsdp2_tensor2_experts_over_data_fsdp', False),
     'softmax_all_to_all_experts_over_fsdp_only': (dict(dispatch='all_to_all'),
-                                                  'data2_fsdp2_tensor2'),
+                                                  'data2_fsdp2_tensor2', False),
     # the own Pallas kernels, in Pallas' interpreter on the CPU
-    'softmax_ring_triton_fsdp4': (dict(grouped_matmul='triton'), 'fsdp4'),
+    'softmax_ring_triton_fsdp4': (dict(grouped_matmul='triton'), 'fsdp4', False),
 }
 
 
-@pytest.mark.parametrize('moe, mesh_name', LAYER_CASES.values(), ids=LAYER_CASES.keys())
+@pytest.mark.parametrize('moe, mesh_name', [
+    pytest.param(moe, mesh, id=name, marks=() if quick else pytest.mark.slow)
+    for name, (moe, mesh, quick) in LAYER_CASES.items()])
 def test_dropless_layer_equals_all_experts_with_one_hot_gates(moe, mesh_name):
   """fp32: the layer's output and its gradients (input, router, experts, shared experts) as
   the all-experts reference's, within 1e-5, on one device and with the experts split."""
@@ -245,6 +248,7 @@ def test_capacity_drops_the_counted_assignments(dispatch_name, mesh_name):
   np.testing.assert_allclose(y_BTD, want_y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_dense_first_layers_and_every_other_layer_decode_as_they_run(one_device):
   """model.moe.first_dense=1, every=2 over 5 layers: a dense stack of 1, then two groups of a
   dense and an MoE block. The KV cache filled in pieces gives the logits of the whole
@@ -441,6 +445,7 @@ def test_bad_expert_settings_are_one_line(moe, changes, message):
   assert '\n' not in str(error.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', ['full', 'dots'])
 def test_remat_keeps_the_loss_and_gradients(remat, one_device):
   """The MoE layers rerun under a remat policy (their dispatch too) give what they kept."""
@@ -513,6 +518,7 @@ def test_router_biases_move_by_the_loads_of_the_whole_batch(short_documents):
       bias_UE, 0.01 * np.sign(load_UE.mean(-1, keepdims=True) - load_UE), atol=1e-8)
 
 
+@pytest.mark.slow
 def test_a_skipped_step_leaves_the_router_biases():
   """train.skip_nonfinite: a step whose loss is NaN moves neither the parameters nor the
   sigmoid routers' biases (its loads are finite: they would move), a good step moves both."""

@@ -123,8 +123,9 @@ def test_the_logical_shapes_validation_checks_are_every_one_a_step_lays_out(monk
   names them, and every layout asked for by logical names (`logical_spec`) while train steps
   are traced: plain; with the sequence split (context and sequence parallelism, collective
   matmuls); pipelined by GPipe (weights gathered per iteration) and 1F1B; and with experts,
-  plain and pipelined. A layout the list lacks fails here, before a rule can split it twice unchecked. (The decode step's KV
-  cache is laid out by `KV_CACHE_AXES`, which the list names.)"""
+  plain and pipelined. A layout the list lacks fails here, before a rule can split it twice
+  unchecked. (The decode step's KV cache is laid out by `KV_CACHE_AXES`, which the list
+  names.)"""
   asked = set()
   original = mesh_lib.logical_spec
 
