@@ -172,8 +172,8 @@ def report(c: Compiled, hardware: Hardware) -> dict:
   attn = attention(c)
   compiled_flops = matmul_flops + attn['flops_per_device']
   recomputed = hlo.recomputed_flops(c.text)
-  for who, flops in (moe['grouped_gemm_recomputed_per_device'] if moe else {}).items():
-    recomputed[who] += flops
+  for who, rerun in (moe['grouped_gemm_recomputed_per_device'] if moe else {}).items():
+    recomputed[who] += rerun
   mem = memory(c)
   usable, fraction = usable_memory(hardware)
   counts = metrics.param_counts(m)
