@@ -13,7 +13,7 @@ ring dispatch's bytes beside the analytic figure.
 
 from jaxllm.backends import gpu_devices, start_backends
 from jaxllm.cli import main_guard, parse_command_line
-from jaxllm.cost import hlo
+from jaxllm.cost import hlo, timing
 from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES
 from jaxllm.cost.report import report
@@ -47,8 +47,9 @@ def main(argv):
   print('grouped GEMM kernels per step: ' + ', '.join(f'{n} {c}' for n, c in kernels.items()))
   print(f'dispatch bytes per GPU and step: {moe["dispatch_bytes"] / 2**30:,.2f} GiB compiled, '
         f'{moe["dispatch_bytes_analytic"] / 2**30:,.2f} GiB analytic')
-  print('where the step goes: ' + ', '.join(f'{k[:-2]} {v * 1e3:,.0f}ms' for k, v in pr.items()
-                                            if k.endswith('_s') and k != 'step_s' and v))
+  print('where the step goes: ' + ', '.join(f'{c} {pr[f"{c}_s"] * 1e3:,.0f}ms'
+                                            for c in timing.CATEGORIES)
+        + f'; collectives {pr["comm_s"] * 1e3:,.0f}ms, {pr["hidden_comm_s"] * 1e3:,.0f}ms hidden')
 
 
 if __name__ == '__main__':

@@ -61,9 +61,10 @@ def hf_greedy(model, prompt, steps: int) -> list[int]:
 PROMPT = [5, 17, 33, 2, 80, 41]
 
 
+@pytest.mark.slow  # about 15 s each: the decode loop compiles
 @pytest.mark.parametrize('layout, axes', [
     ('per_expert', dict()),
-    pytest.param('fused', dict(fsdp=2, tensor=2), marks=pytest.mark.slow),
+    ('fused', dict(fsdp=2, tensor=2)),
 ], ids=['per_expert-one_device', 'fused-fsdp2_tensor2'])
 def test_mixtral_logits_and_greedy_tokens_equal_transformers(layout, axes, tmp_path):
   """Both expert layouts read; on a mesh the experts split over fsdp, their hidden units
