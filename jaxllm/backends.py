@@ -39,15 +39,16 @@ def start_backends(cfg: ConfigDict | None = None) -> None:
     jax.config.update('jax_platforms', 'cpu')
 
 
-def compiler_options(model_cfg: ConfigDict, platform: str) -> dict:
-  """XLA's options for the programs of a model (its train and eval steps) on `platform`."""
+def compiler_options(model_cfg: ConfigDict, platform: str, pipelined: bool = False) -> dict:
+  """XLA's options for the programs of a model (its train and eval steps) on `platform`,
+  `pipelined` where they run a pipeline (mesh.pipe > 1)."""
   bf16_reductions = model_cfg.grad_reduce_dtype == 'bfloat16' or (
-      model_cfg.dtype == 'bfloat16' and model_cfg.fp8 != 'none')
+      model_cfg.dtype == 'bfloat16' and (model_cfg.fp8 != 'none' or pipelined))
   if platform == 'cpu' and bf16_reductions:
     # XLA's CPU compiler aborts the process on some bf16 all-reduces (a bf16 gradient
-    # reduce-scatter; an FP8 model's on a mesh) in its all-reduce-promotion pass ("Invalid
-    # binary instruction opcode copy"); the pass only widens narrow reductions, which GPUs
-    # run as they are.
+    # reduce-scatter; an FP8 model's on a mesh; a bf16 pipeline's reduce-scatter of its
+    # outputs over pipe) in its all-reduce-promotion pass ("Invalid binary instruction opcode
+    # copy"); the pass only widens narrow reductions, which GPUs run as they are.
     return {'xla_disable_hlo_passes': 'all-reduce-promotion'}
   if platform == 'gpu' and model_cfg.fp8 != 'none':
     # FP8 matmuls as cuBLASLt FP8 calls, as NVIDIA's FP8 recipes for XLA run them, where
@@ -76,6 +77,25 @@ def use_compilation_cache(setting: str) -> None:
   # JAX's default keeps only programs that took a second or more to compile; the small
   # ones add up too (tiny's first save blocks 1.4 s without them, 0.3 s with).
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+
+@contextlib.contextmanager
+def compiling_for(devices):
+  """Compiles for `devices`. A program for compile-only devices (`gpu_devices`) stays out of
+  the persistent compilation cache, when a process has it on: JAX would write it, but its
+  compile-only client cannot load an executable, so reading it back fails (with a warning)
+  each time the same program is compiled again."""
+  import jax
+  if not (devices and is_compile_only(devices[0])):
+    yield
+    return
+  name = 'jax_persistent_cache_min_compile_time_secs'  # what JAX checks before it writes
+  kept = getattr(jax.config, name)
+  jax.config.update(name, float('inf'))
+  try:
+    yield
+  finally:
+    jax.config.update(name, kept)
 
 
 def compilation_cache_dir(setting: str) -> str:

@@ -173,14 +173,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     return sums, grads, amaxes
 
   def accumulate(params, scales, biases, batch, micro_grads=grad_fn, specs=None):
-    """Summed gradients, the amaxes' maxima, and the summed (loss, token count, routing sums)
-    over the micro-batches, in turn: `micro_grads(params, scales, biases, micro_batch)` each,
-    the gradients kept in `specs`' layout (the params')."""
+    """Summed gradients (fp32), the amaxes' maxima, and the summed (loss, token count, routing
+    sums) over the micro-batches, in turn: `micro_grads(params, scales, biases, micro_batch)`
+    each, the gradients kept in `specs`' layout (the params')."""
     specs = nnx.get_partition_spec(params) if specs is None else specs
     pin = lambda g: jax.lax.with_sharding_constraint(g, specs)
+    # fp32 whatever the parameters' dtype: bf16 sums of many micro-batches lose the small ones,
+    # and so would the all-reduce over data of one micro-batch's (`gradients`)
     if micro_batches == 1:
       sums, grads, amaxes = micro_grads(params, scales, biases, batch)
-      return pin(grads), amaxes, sums
+      return pin(jax.tree.map(lambda g: g.astype(jnp.float32), grads)), amaxes, sums
 
     def add_micro_batch(carry, micro_batch):
       grads, amaxes, sums = carry
@@ -189,7 +191,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
       amaxes = jax.tree.map(jnp.maximum, amaxes, mb_amaxes)
       return (grads, amaxes, jax.tree.map(jnp.add, sums, mb_sums)), None
 
-    # fp32 whatever the parameters' dtype: bf16 sums of many micro-batches lose the small ones
     zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     no_amaxes = jax.tree.map(jnp.zeros_like, scales)
     micro = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)

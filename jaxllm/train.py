@@ -26,7 +26,7 @@ from jaxllm.backends import (compiler_options, counting_cache_hits, start_backen
                              use_compilation_cache)
 from jaxllm.checkpoint import Checkpoints, restore_params, restore_router_bias, restore_target
 from jaxllm.cli import main_guard, parse_command_line
-from jaxllm.config import TrainingError, moe_layers
+from jaxllm.config import TrainingError, default_config, moe_layers
 from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.model import fp8, with_available_attention
 from jaxllm.optim import make_optimizer, warmup_steps
@@ -81,6 +81,9 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
       if axes and all(mesh_shape[a] == 1 for a in axes):
         print(f'note: sharding.rules.{name}={axes} splits the sequence over axes of size 1: '
               'nothing is split.')
+    unused = _pipeline_settings(cfg.pipeline) if mesh_shape['pipe'] == 1 else ''
+    if unused:
+      print(f'note: mesh.pipe=1 runs no pipeline, so these settings do nothing: {unused}.')
     if warmup_steps(cfg.optim, cfg.train.steps) < cfg.optim.warmup_steps:
       print(f'note: optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run '
             f'(train.steps={cfg.train.steps}): the lr warms up over its {cfg.train.steps} steps '
@@ -98,11 +101,17 @@ def setup(cfg: ConfigDict, devices=None, workdir: str | None = None) -> Run:
   state, origin = _initial_state(cfg, mesh, layout, tx, pipeline, abstract, shardings,
                                  checkpoints, batches)
   step = train_step_for(cfg, graphdef, tx, pipeline)
-  options = compiler_options(cfg.model, mesh.devices.flat[0].platform)
+  options = compiler_options(cfg.model, mesh.devices.flat[0].platform, pipeline is not None)
   train_step = jax.jit(step, donate_argnums=0, out_shardings=(shardings, None),
                        compiler_options=options)
   return Run(cfg, mesh, layout, graphdef, state, origin, train_step, batches, eval_batches,
              pipeline, checkpoints)
+
+
+def _pipeline_settings(pipeline: ConfigDict) -> str:
+  """The pipeline.* fields set away from their defaults, as `pipeline.a=v, ...`; '' if none."""
+  defaults = default_config().pipeline
+  return ', '.join(f'pipeline.{k}={v!r}' for k, v in pipeline.items() if v != defaults[k])
 
 
 def _initial_state(cfg: ConfigDict, mesh, layout: Layout, tx, pipeline: PipelineSpec | None,
@@ -379,7 +388,8 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
       lambda params, fp8_scales, router_bias, batch: loss_terms(
           run.graphdef, params, batch, run.pipeline, fp8_scales=fp8_scales,
           router_bias=router_bias)[1][:2],
-      compiler_options=compiler_options(cfg.model, run.mesh.devices.flat[0].platform))
+      compiler_options=compiler_options(cfg.model, run.mesh.devices.flat[0].platform,
+                                        run.pipeline is not None))
 
   batch = next(run.batches)
   start = time.perf_counter()

@@ -272,6 +272,7 @@ def validate_distributed(d: ConfigDict) -> None:
 
 def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
   p, S = cfg.pipeline, mesh_shape['pipe']
+  _validate_pipe_rules(cfg.sharding.rules, S)
   _choice(p.schedule, 'pipeline.schedule', PIPELINE_SCHEDULES)
   _choice(p.gather_weights, 'pipeline.gather_weights', GATHER_MODES)
   R, M = pipeline_shape(cfg, S)
@@ -371,6 +372,23 @@ def _validate_moe(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
       raise ConfigError(f'model.moe.first_dense={moe.first_dense} is not built for pipelines '
                         f'(mesh.pipe={mesh_shape["pipe"]}): the first dense layers are a stack '
                         'of their own; set it to 0 or mesh.pipe=1.')
+
+
+def _validate_pipe_rules(rules: ConfigDict, stages: int) -> None:
+  """A pipeline cuts the layer stack into stages over 'pipe': the layers rule must name 'pipe'
+  and nothing else, and no other rule 'pipe'. Otherwise stages run blocks not their own
+  (layers=(): every stage runs stage 0's, and the other layers never train), or the pipeline
+  runs by hand over an axis that also splits something else (vocab=('pipe',): a NaN loss)."""
+  layers = mesh_axes(rules.layers)
+  if layers != ('pipe',):
+    raise ConfigError(f"sharding.rules.layers={layers}: mesh.pipe={stages} cuts the layer stack "
+                      "into stages over 'pipe', so the layers rule must be ('pipe',) alone; set "
+                      "sharding.rules.layers=('pipe',) (the default) or mesh.pipe=1.")
+  for name, axes in rules.items():
+    if name != 'layers' and 'pipe' in mesh_axes(axes):
+      raise ConfigError(f"sharding.rules.{name}={mesh_axes(axes)} names 'pipe', which the "
+                        f'pipeline (mesh.pipe={stages}) keeps for the stages of the layer stack; '
+                        f"take 'pipe' out of sharding.rules.{name}.")
 
 
 def _validate_fp8(model_cfg: ConfigDict) -> None:

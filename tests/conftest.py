@@ -1,8 +1,17 @@
 """Every test runs on 8 simulated CPU devices, so every mesh axis can be exercised; GPU
-programs are compiled for GPUs that are not there (`jaxllm.backends.gpu_devices`)."""
+programs are compiled for GPUs that are not there (`jaxllm.backends.gpu_devices`).
+
+The suite has a time budget; tests/README.md says how it is kept (one compilation cache per
+run, commands run in this process, costly fixtures built once per run)."""
 
 import atexit
+import contextlib
+import fcntl
+import importlib
+import importlib.util
+import io
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -12,16 +21,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import flags
+from absl import logging as absl_logging
 
-from jaxllm.backends import start_backends
+from jaxllm import backends
+from jaxllm.backends import start_backends, use_compilation_cache
 from jaxllm.config import default_config
 
 _BACKENDS = default_config()
 _BACKENDS.cpu_devices = 8
 start_backends(_BACKENDS)  # as every command starts them
-# The commands tests run keep their compiled programs here, not in the user's cache.
-os.environ['XDG_CACHE_HOME'] = tempfile.mkdtemp(prefix='jaxllm-test-cache-')
-atexit.register(shutil.rmtree, os.environ['XDG_CACHE_HOME'], ignore_errors=True)
+
+# One directory for the whole run, made by the first process (pytest; under xdist, the process
+# that starts the workers) and inherited by the workers and every command a test starts: it
+# holds the run's compilation cache (XDG_CACHE_HOME, where `compilation_cache='auto'` keeps
+# programs, not the user's cache) and what `once_per_run` computed.
+if 'JAXLLM_TEST_RUN_DIR' not in os.environ:
+  os.environ['JAXLLM_TEST_RUN_DIR'] = tempfile.mkdtemp(prefix='jaxllm-test-run-')
+  atexit.register(shutil.rmtree, os.environ['JAXLLM_TEST_RUN_DIR'], ignore_errors=True)
+RUN_DIR = os.environ['JAXLLM_TEST_RUN_DIR']
+os.environ['XDG_CACHE_HOME'] = os.path.join(RUN_DIR, 'cache')
+# Programs this process compiles for its CPU devices (train(), setup(), compile_step) are kept
+# there too and read back by every other process of the run; those compiled for GPUs that are
+# not there are left out (`backends.compiling_for`).
+use_compilation_cache('auto')
 
 from jaxllm.cost import hlo  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh, sharding_context  # noqa: E402
@@ -132,9 +155,12 @@ def one_device_run(corpus):
   clipping scales all of g alike, so a mesh whose gradients come out doubled (a reduction
   counted twice) or halved trains exactly like one device; only the norm shows it."""
   from jaxllm.train import train
-  state, history = train(text_config(corpus), devices=jax.devices()[:1])
-  return (jax.device_get(state.params), [row['loss'] for row in history],
-          [row['grad_norm'] for row in history])
+
+  def run():
+    state, history = train(text_config(corpus), devices=jax.devices()[:1])
+    return (jax.device_get(state.params), [row['loss'] for row in history],
+            [row['grad_norm'] for row in history])
+  return once_per_run('one_device_run', run)
 
 
 def step_gradients(cfg, devices=None):
@@ -143,6 +169,7 @@ def step_gradients(cfg, devices=None):
   mesh: `jaxllm.step.make_train_step` with an "optimizer" that stores the gradients it is
   given as its state. Blocks in layer order, on the host."""
   import optax
+  from jaxllm.backends import compiler_options
   from jaxllm.pipeline.spec import from_stage_order
   from jaxllm.step import TrainState, make_train_step
   from jaxllm.train import setup
@@ -155,7 +182,9 @@ def step_gradients(cfg, devices=None):
                          run.pipeline)
   with sharding_context(run.mesh, run.layout.rules):
     state = TrainState(run.state.step, run.state.params, keep.init(run.state.params))
-    new_state, metrics = jax.jit(step)(state, next(run.batches))
+    options = compiler_options(cfg.model, run.mesh.devices.flat[0].platform,
+                               run.pipeline is not None)
+    new_state, metrics = jax.jit(step, compiler_options=options)(state, next(run.batches))
   grads = jax.device_get(new_state.opt_state)
   if run.pipeline:
     grads = from_stage_order(grads, run.pipeline.stages, run.pipeline.repeats)
@@ -165,7 +194,8 @@ def step_gradients(cfg, devices=None):
 @pytest.fixture(scope='session')
 def one_device_gradients(corpus):
   """`step_gradients` of `text_config` on one device: the reference for meshes in fp32."""
-  return step_gradients(text_config(corpus), jax.devices()[:1])
+  return once_per_run('one_device_gradients',
+                      lambda: step_gradients(text_config(corpus), jax.devices()[:1]))
 
 
 @pytest.fixture(scope='session')
@@ -193,9 +223,136 @@ def short_documents(tmp_path_factory) -> str:
 
 
 def run_cli(*args, module='jaxllm.train', timeout=300):
-  """Runs `python -m <module> ...` in a fresh process from the repository root."""
+  """Runs `python -m <module> ...` in a fresh process from the repository root: for what only
+  a fresh process shows (its exit status and all it prints, signals, jax.distributed, the
+  console scripts). Otherwise `run_cli_in_process`, which saves the seconds a process takes to
+  start."""
   return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO,
                         capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli_in_process(*args, module='jaxllm.train'):
+  """`run_cli`'s command run in this process (`run_main`)."""
+  return run_main(['python', '-m', module, *args])
+
+
+def _started(cfg=None):
+  """`jaxllm.backends.start_backends` in a process whose backends have started: 8 CPU devices,
+  the default config's XLA flags. A command asking for what they cannot give needs a fresh
+  process (`run_cli`); so does one that checks a mesh against the devices present and asks
+  for fewer (it sees 8)."""
+  if cfg is None:
+    return
+  assert cfg.cpu_devices <= jax.device_count(), (
+      f'cpu_devices={cfg.cpu_devices}: more than this process has; run it with run_cli')
+  flags_asked = (cfg.xla_flags or '').split()
+  assert set(flags_asked) <= set(os.environ.get('XLA_FLAGS', '').split()), (
+      f'xla_flags={cfg.xla_flags!r} are not those this process started with; run it with '
+      'run_cli')
+
+
+def run_main(argv: list[str], cwd=REPO) -> subprocess.CompletedProcess:
+  """Runs the command `python -m <module> ...` (or `python <script.py> ...`) in this process,
+  from `cwd`, as `main_guard` runs it: returns its exit status and what it printed. What a run
+  changes is put back: the working directory, the environment, absl's flags and verbosity,
+  the jax settings commands make.
+
+  The backends of this process have started (8 CPU devices): the command's `start_backends`
+  checks they are what it asks for (`_started`), and a `jaxllm.train` run joins no
+  jax.distributed run (`--config.distributed.num_processes=1` is added: JAX would refuse to
+  start it now). What only a fresh process shows is `run_cli`'s."""
+  assert argv[0] == 'python', argv
+  if argv[1] == '-m':
+    name, args = argv[2], argv[3:]
+    module = importlib.import_module(name + ('.__main__' if name == 'jaxllm.hf' else ''))
+  else:
+    name, args = argv[1], argv[2:]
+    module = load_script(os.path.join(cwd, name))
+  if name == 'jaxllm.train':
+    args = [*args, '--config.distributed.num_processes=1']
+  patched = [m for n, m in list(sys.modules.items()) if (n.startswith('jaxllm') or m is module)
+             and getattr(m, 'start_backends', None) is backends.start_backends]
+  env, verbosity = dict(os.environ), absl_logging.get_verbosity()
+  cache = {k: getattr(jax.config, k) for k in ('jax_compilation_cache_dir',
+                                               'jax_persistent_cache_min_compile_time_secs')}
+  out, err, argv_kept = io.StringIO(), io.StringIO(), sys.argv
+  code = 0
+  try:
+    for m in patched:
+      m.start_backends = _started
+    sys.argv = [name, *args]
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      try:
+        module.main_guard(module.main)
+      except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+  finally:
+    for m in patched:
+      m.start_backends = backends.start_backends
+    sys.argv = argv_kept
+    for key in set(os.environ) - set(env):
+      del os.environ[key]
+    os.environ.update(env)
+    absl_logging.set_verbosity(verbosity)
+    flags.FLAGS.unparse_flags()
+    for k, v in cache.items():
+      jax.config.update(k, v)
+  return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def load_script(path: str):
+  """A script (benchmarks/X.py) as a module, once: not through sys.path, where its neighbours
+  (benchmarks/data.py, checkpoint.py) would shadow the modules of those names."""
+  name = os.path.splitext(os.path.basename(path))[0]
+  if getattr(sys.modules.get(name), '__file__', None) != path:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+def once_per_run(name: str, compute):
+  """`compute()` computed by one process of the test run and read back by the others (under
+  xdist each worker builds session fixtures of its own): pickled into the run's directory,
+  under a lock that makes a second process wait for the first's result. For results that can
+  be pickled (numpy trees, paths, printed text)."""
+  path = os.path.join(RUN_DIR, 'once', f'{name}.pickle')
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(f'{path}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if os.path.exists(path):
+      with open(path, 'rb') as f:
+        return pickle.load(f)
+    result = compute()
+    with open(f'{path}.partial', 'wb') as f:
+      pickle.dump(result, f)
+    os.replace(f'{path}.partial', path)
+    return result
+
+
+def run_dir(name: str) -> str:
+  """A new directory in the run's, for a `once_per_run` result that lives on disk."""
+  return tempfile.mkdtemp(prefix=f'{name}-', dir=RUN_DIR)
+
+
+# Fixtures that take seconds to build and hold what no file can (compiled programs keep their
+# devices): every test that uses one of a group runs on the xdist worker that builds them
+# (`--dist loadgroup`, pyproject.toml), so each is built once per run. What can be pickled is
+# shared through `once_per_run` instead, and its tests spread over the workers.
+ONE_WORKER = {
+    'h100_programs': {'tiny_program', 'tiny_accumulating', 'one_b_programs', 'tiny_pipelines',
+                      'pipeline_program', 'tiny_split'},
+    'sequence_parallel_programs': {'tiny_programs'},
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(items):
+  for item in items:
+    groups = {g for g, names in ONE_WORKER.items() if names & set(item.fixturenames)}
+    assert len(groups) <= 1, f'{item.nodeid} uses fixtures of {groups}: make them one group'
+    if groups:
+      item.add_marker(pytest.mark.xdist_group(groups.pop()))
 
 
 @pytest.fixture

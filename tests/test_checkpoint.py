@@ -16,7 +16,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import REPO, paired_leaves, small_config, text_config
+from conftest import REPO, once_per_run, paired_leaves, run_dir, small_config, text_config
 from jaxllm.checkpoint import check_resumable
 from jaxllm.config import ConfigError, TrainingError
 from jaxllm.pipeline.spec import from_stage_order
@@ -116,16 +116,20 @@ def continue_one_step(cfg, saved_dir, workdir, devices=None):
 
 
 @pytest.fixture(scope='module')
-def saved_under_fsdp8(corpus, tmp_path_factory):
-  """A run of 3 steps on fsdp=8 that checkpointed at step 3: its directory, its params, and
-  the loss of step 4 when it goes on, on the same mesh."""
-  workdir = tmp_path_factory.mktemp('fsdp8') / 'run'
-  cfg = text_config(corpus, fsdp=8)
-  cfg.checkpoint.every = 3
-  state, _ = train(cfg, str(workdir))
-  *_, next_loss, _ = continue_one_step(text_config(corpus, fsdp=8), str(workdir),
-                                       tmp_path_factory.mktemp('fsdp8') / 'continued')
-  return str(workdir), jax.device_get(state.params), next_loss
+def saved_under_fsdp8(corpus):
+  """A run of 3 steps on fsdp=8 that checkpointed at step 3: its directory (which tests copy
+  or only read), its params, and the loss of step 4 when it goes on, on the same mesh. Made
+  once per test run."""
+  def saved():
+    root = run_dir('fsdp8')
+    workdir = os.path.join(root, 'run')
+    cfg = text_config(corpus, fsdp=8)
+    cfg.checkpoint.every = 3
+    state, _ = train(cfg, workdir)
+    *_, next_loss, _ = continue_one_step(text_config(corpus, fsdp=8), workdir,
+                                         os.path.join(root, 'continued'))
+    return workdir, jax.device_get(state.params), next_loss
+  return once_per_run('saved_under_fsdp8', saved)
 
 
 @pytest.mark.parametrize('mesh', [dict(data=2, tensor=4), dict(), dict(pipe=2, data=2, tensor=2)],

@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import math
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import REPO, run_cli, small_config
+from conftest import REPO, once_per_run, run_cli, run_cli_in_process, run_dir, small_config
 from jaxllm import train
 from jaxllm.cli import load_config, parse_command_line
 from jaxllm.config import ConfigError
@@ -33,21 +34,24 @@ def read_rows(workdir) -> list[dict]:
 
 
 @pytest.fixture(scope='module')
-def tiny_runs(tmp_path_factory):
+def tiny_runs():
   """The tiny config trained twice by the `jaxllm-train` command, each time in a new workdir
-  with one compilation cache: the first run fills it, the second (without evaluations, which
-  leave training as it is) reads it. Returns both results and workdirs."""
-  root = tmp_path_factory.mktemp('tiny_runs')
-  command = os.path.join(sysconfig.get_path('scripts'), 'jaxllm-train')
-  runs = []
-  for name, evaluate in (('first', []), ('second', ['--config.eval.every=0'])):
-    workdir = root / name
-    result = subprocess.run([command, *TINY_RUN, *evaluate, f'--workdir={workdir}',
-                             f'--config.compilation_cache={root}/cache'],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    runs.append((result, workdir))
-  return runs
+  with one compilation cache of their own: the first run fills it, the second (without
+  evaluations, which leave training as it is) reads it. Returns both results and workdirs.
+  Made once per test run."""
+  def two_runs():
+    root = pathlib.Path(run_dir('tiny_runs'))
+    command = os.path.join(sysconfig.get_path('scripts'), 'jaxllm-train')
+    runs = []
+    for name, evaluate in (('first', []), ('second', ['--config.eval.every=0'])):
+      workdir = root / name
+      result = subprocess.run([command, *TINY_RUN, *evaluate, f'--workdir={workdir}',
+                               f'--config.compilation_cache={root}/cache'],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+      assert result.returncode == 0, result.stderr[-2000:]
+      runs.append((result, workdir))
+    return runs
+  return once_per_run('tiny_runs', two_runs)
 
 
 def test_tiny_config_trains_evaluates_and_writes_metrics(tiny_runs):
@@ -186,13 +190,14 @@ def test_tiny_config_fine_tunes_on_conversations_with_every_extra_split(tmp_path
       ''.join(json.dumps({'messages': m}) + '\n' for m in conversations(40)))
   (tmp_path / 'chatml.jinja').write_text(TEMPLATE)
   workdir = tmp_path / 'run'
-  result = run_cli('--config', 'configs/tiny.py', '--config.data.format=chat',
-                   f'--config.data.path={tmp_path}/chats.jsonl',
-                   f'--config.data.chat_template={tmp_path}/chatml.jinja', '--config.eval.every=0',
-                   '--config.model.num_kv_heads=1', "--config.sharding.rules.batch=('data',)",
-                   "--config.sharding.rules.seq=('fsdp',)",
-                   "--config.sharding.rules.act_seq=('tensor',)", '--config.sharding.zero=1',
-                   '--config.train.steps=40', '--config.train.log_every=20', f'--workdir={workdir}')
+  result = run_cli_in_process(
+      '--config', 'configs/tiny.py', '--config.data.format=chat',
+      f'--config.data.path={tmp_path}/chats.jsonl',
+      f'--config.data.chat_template={tmp_path}/chatml.jinja', '--config.eval.every=0',
+      '--config.model.num_kv_heads=1', "--config.sharding.rules.batch=('data',)",
+      "--config.sharding.rules.seq=('fsdp',)", "--config.sharding.rules.act_seq=('tensor',)",
+      '--config.sharding.zero=1', '--config.train.steps=40', '--config.train.log_every=20',
+      f'--workdir={workdir}')
   assert result.returncode == 0, result.stderr[-2000:]
   rows = read_rows(workdir)
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
@@ -437,7 +442,7 @@ def test_a_second_command_line_in_one_process_starts_from_the_config(monkeypatch
 
 
 def test_missing_config_file_is_one_readable_line():
-  result = run_cli('--config', 'configs/nope.py')
+  result = run_cli_in_process('--config', 'configs/nope.py')
   assert result.returncode != 0
   assert result.stderr.strip().splitlines() == [
       'error: --config configs/nope.py: no such file; pass a file from configs/, '

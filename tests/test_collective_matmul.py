@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, leaf_paths, paired_leaves, small_config, step_gradients, text_config
+from conftest import (REPO, leaf_paths, once_per_run, paired_leaves, small_config, step_gradients,
+                      text_config)
 from jaxllm import backends
 from jaxllm.cli import load_config
 from jaxllm.config import ConfigError
@@ -36,7 +37,8 @@ def one_device_gradients(short_documents):
   rows packed with several documents."""
   cfg = text_config(short_documents)
   cfg.model.update(MODEL)
-  return step_gradients(cfg, jax.devices()[:1])
+  return once_per_run('test_collective_matmul.one_device_gradients',
+                      lambda: step_gradients(cfg, jax.devices()[:1]))
 
 
 @pytest.mark.parametrize('mesh, remat, rules', RINGS.values(), ids=RINGS.keys())

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import paired_leaves, text_config
+from conftest import once_per_run, paired_leaves, text_config
 from jaxllm.config import ConfigError
 from jaxllm.model import fp8
 from jaxllm.pipeline.spec import from_stage_order
@@ -69,20 +69,39 @@ def numpy_fp8_matmul(x, w, g, sx, sw, sg):
   return qx @ qw, qg @ qw.T, qx.T @ qg
 
 
+def amax_whose_bf16_scale_rounds_down_most() -> np.float32:
+  """The bf16 value a in [1, 2) whose scale a/448 bf16 rounds down furthest (by ~0.35%), and
+  a/57344 with it (57344/448 is a power of two); times any power of two, the same."""
+  amaxes = np.arange(128, 256, dtype=np.float32) / 128  # every bf16 in [1, 2)
+  scales = amaxes / np.float32(E4M3_MAX)
+  return amaxes[np.argmin(scales.astype(ml_dtypes.bfloat16).astype(np.float32) / scales)]
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 @pytest.mark.parametrize('recipe', ['delayed', 'current'])
-def test_fp8_matmul_and_its_gradients_match_numpy(recipe):
+def test_fp8_matmul_and_its_gradients_match_numpy(recipe, dtype):
+  """y = x·w, dx = g·wᵀ and dw = xᵀ·g against float64 products of the same FP8 values, each
+  tensor's scale rounded to the compute dtype once, for its quantizing and its product alike.
+
+  In bf16 the amaxes are chosen so that bf16 rounds their scales down by ~0.35%. bf16's own
+  rounding of each rescaled operand and of the product (the CPU's emulation; a GPU multiplies
+  the FP8 values exactly), at most 2^-9 each, moves a product by under 2^-8 in norm and by a
+  gain under 2^-9 (measured: 0.3% and 0.1%). A scale rounded on one side only quantizes by
+  one value and rescales by another: a gain of 0.4% to 0.6% and 2% in norm (measured)."""
   rng = np.random.default_rng(1)
-  x = rng.standard_normal((64, 32)).astype(np.float32)
-  w = (rng.standard_normal((32, 48)) * 0.05).astype(np.float32)
-  g = (rng.standard_normal((64, 48)) * 1e-3).astype(np.float32)
-  amaxes = [np.abs(a).max() for a in (x, w, g)]
-  if recipe == 'delayed':  # last step's scales, a little off this step's amaxes
-    sx, sw, sg = (1.3 * amaxes[0] / E4M3_MAX, 0.8 * amaxes[1] / E4M3_MAX,
-                  2.0 * amaxes[2] / E5M2_MAX)
-    scales = jnp.array([sx, sw, sg], jnp.float32)
+  a = amax_whose_bf16_scale_rounds_down_most()
+  with_amax = lambda v, amax: (v * (amax / np.abs(v).max())).astype(dtype)
+  x = with_amax(rng.standard_normal((64, 32)), 4 * a)
+  w = with_amax(rng.standard_normal((32, 48)), a / 16)
+  g = with_amax(rng.standard_normal((64, 48)), a / 1024)
+  amaxes = [np.abs(v.astype(np.float32)).max() for v in (x, w, g)]
+  tops = np.array([E4M3_MAX, E4M3_MAX, E5M2_MAX], np.float32)
+  if recipe == 'delayed':  # last step's scales, off this step's amaxes by powers of two
+    stored = np.array([2, 1, 4], np.float32) * amaxes / tops
+    scales = jnp.asarray(stored)
   else:
-    sx, sw, sg = amaxes[0] / E4M3_MAX, amaxes[1] / E4M3_MAX, amaxes[2] / E5M2_MAX
-    scales = None
+    stored, scales = np.array(amaxes, np.float32) / tops, None
+  used = stored.astype(dtype).astype(np.float32)  # rounded once, to the compute dtype
 
   def f(x, w, scales):
     (y,) = fp8.matmuls(('ij,jk->ik',), x, (w,), scales, jnp.float32, (None,))
@@ -90,13 +109,20 @@ def test_fp8_matmul_and_its_gradients_match_numpy(recipe):
 
   y, pullback = jax.vjp(f, jnp.asarray(x), jnp.asarray(w), scales)
   dx, dw, dscales = pullback(jnp.asarray(g))
-  want_y, want_dx, want_dw = numpy_fp8_matmul(x, w, g, sx, sw, sg)
+  want_y, want_dx, want_dw = numpy_fp8_matmul(x, w, g, *used)
   for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    got = np.asarray(got, np.float64)
+    if dtype == 'float32':
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    else:
+      gain = np.vdot(got, want) / np.vdot(want, want)
+      assert abs(gain - 1) <= 2**-9, gain
+      assert np.linalg.norm(got - want) <= 2**-8 * np.linalg.norm(want)
   if recipe == 'delayed':  # the scales' gradient is this step's amaxes
     np.testing.assert_allclose(np.asarray(dscales), amaxes, rtol=1e-6)
   # FP8 is not bf16: the products differ from the exact ones by FP8's rounding
-  assert not np.allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-3)
+  exact = x.astype(np.float64) @ w.astype(np.float64)
+  assert not np.allclose(np.asarray(y, np.float64), exact, rtol=1e-3)
 
 
 def test_fan_out_gradient_is_the_users_maximum():
@@ -117,16 +143,24 @@ def fp8_config(corpus, recipe, **mesh):
 
 @pytest.fixture(scope='module')
 def one_device_fp8(corpus):
-  """Per recipe, the one-device FP8 run's losses and state; and FP8's own noise on this run:
-  the most either recipe's rounding moves a step's loss from the same run without FP8."""
-  _, plain = train(fp8_config(corpus, 'none'), devices=jax.devices()[:1])
-  plain = np.array([row['loss'] for row in plain])
-  runs = {}
-  for recipe in ('delayed', 'current'):
-    state, history = train(fp8_config(corpus, recipe), devices=jax.devices()[:1])
-    runs[recipe] = np.array([row['loss'] for row in history]), jax.device_get(state)
-  noise = max(np.abs(losses - plain).max() for losses, _ in runs.values())
-  return runs, noise
+  """Per recipe, the one-device FP8 run's losses and state; and the same run's losses without
+  FP8 (bf16 alone), which no FP8 code computes. Made once per test run."""
+  def runs_and_plain():
+    _, plain = train(fp8_config(corpus, 'none'), devices=jax.devices()[:1])
+    runs = {}
+    for recipe in ('delayed', 'current'):
+      state, history = train(fp8_config(corpus, recipe), devices=jax.devices()[:1])
+      runs[recipe] = np.array([row['loss'] for row in history]), jax.device_get(state)
+    return runs, np.array([row['loss'] for row in plain])
+  return once_per_run('one_device_fp8', runs_and_plain)
+
+
+def test_fp8_trains_like_bf16(one_device_fp8):
+  """Four steps on one device with either recipe's FP8 layer matmuls stay within 1e-2 of the
+  same run's bf16 losses (measured: 3.4e-3 at most), and FP8 is at work: they differ."""
+  runs, plain = one_device_fp8
+  for losses, _ in runs.values():
+    assert 0 < np.abs(losses - plain).max() <= 1e-2, (losses, plain)
 
 
 CASES = {  # id: (recipe, mesh, other fields): both recipes on every axis, and delayed scaling
@@ -143,14 +177,16 @@ CASES = {  # id: (recipe, mesh, other fields): both recipes on every axis, and d
 @pytest.mark.parametrize('case', CASES)
 def test_every_mesh_axis_trains_like_one_device(case, corpus, one_device_fp8):
   """Four steps of bf16 compute with FP8 matmuls on a mesh give the one-device FP8 losses
-  to within half of FP8's own noise on one device, plus 5e-5 (what bf16 alone moves on these
-  meshes): a mesh's partial sums round bf16 differently, which moves some FP8 roundings, and
-  current scaling takes the amaxes of what each device holds where the step splits the batch
-  by hand (as Transformer Engine's does per GPU). A scale taken from a wrong amax moves the
-  loss by as much as FP8 itself. Under delayed scaling the amax histories and scales match
-  too (amaxes over every shard, micro-batch and pipeline iteration)."""
+  to within 1.5e-3 (measured: 3e-4 to 9e-4, the most on a pipeline under current scaling): a
+  mesh's partial sums round bf16 differently, which moves some FP8 roundings, and current
+  scaling takes the amaxes of what each device holds where the step splits the batch by hand
+  (as Transformer Engine's does per GPU). The bound is fixed, not taken from FP8's own
+  distance from bf16 (3.4e-3), which a worse FP8 would widen. The loss is blind to scales a
+  few times off (delayed scaling's amaxes summed over a pipeline's iterations, not their
+  maximum, moved it by 2e-4 to 5e-4), so under delayed scaling the amax histories and scales
+  must match too (amaxes over every shard, micro-batch and pipeline iteration)."""
   recipe, mesh, fields = CASES[case]
-  runs, noise = one_device_fp8
+  runs, _ = one_device_fp8
   want_losses, want_state = runs[recipe]
   cfg = fp8_config(corpus, recipe, **mesh)
   for field, value in fields.items():
@@ -158,8 +194,7 @@ def test_every_mesh_axis_trains_like_one_device(case, corpus, one_device_fp8):
     cfg[section][name] = value
   state, history = train(cfg, devices=jax.devices()[:math.prod(mesh.values())])
   losses = np.array([row['loss'] for row in history])
-  assert (np.abs(losses - want_losses) <= 0.5 * noise + 5e-5).all(), (losses, want_losses,
-                                                                      noise)
+  assert (np.abs(losses - want_losses) <= 1.5e-3).all(), (losses, want_losses)
   if recipe == 'current':
     assert state.fp8 is None
     return

@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +12,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import run_cli, small_config
+from conftest import once_per_run, run_cli, run_cli_in_process, small_config
 from jaxllm.config import ConfigError, default_config
 from jaxllm.decode import Sampling, generate, sample_next
 from jaxllm.generate import main
 from jaxllm.model import KVCache, Transformer, sequence_positions
 from jaxllm.parallel.mesh import make_mesh, sharding_context
+from test_readme import TINY_STEPS, tiny_run  # noqa: F401  (a fixture: the README's tiny run)
 
 RULES = default_config().sharding.rules
 ONE_DEVICE = dict(data=1, fsdp=1, pipe=1, tensor=1)
@@ -90,14 +93,16 @@ RAGGED = [p[:n] for p, n in zip(prompts(4, length=7), (3, 7, 5, 1))]
 @pytest.fixture(scope='module')
 def each_alone(one_device_params):
   """Each RAGGED prompt generated greedily on its own on one device, checked against the plain
-  forward pass without a cache."""
-  cfg, alone = model_cfg(), []
-  for prompt in RAGGED:
-    alone.append(generate(cfg, one_device_params, prompt, NEW_TOKENS, greedy=True))
-    with sharding_context(make_mesh(ONE_DEVICE, jax.devices()[:1]), RULES):
-      want, margin = reference_greedy(cfg, one_device_params, [prompt], NEW_TOKENS)
-    assert margin > 1e-3 and alone[-1] == want[0]
-  return alone
+  forward pass without a cache. Made once per test run."""
+  def generated():
+    cfg, alone = model_cfg(), []
+    for prompt in RAGGED:
+      alone.append(generate(cfg, one_device_params, prompt, NEW_TOKENS, greedy=True))
+      with sharding_context(make_mesh(ONE_DEVICE, jax.devices()[:1]), RULES):
+        want, margin = reference_greedy(cfg, one_device_params, [prompt], NEW_TOKENS)
+      assert margin > 1e-3 and alone[-1] == want[0]
+    return alone
+  return once_per_run('each_alone', generated)
 
 
 def test_prompts_of_different_lengths_in_one_batch_equal_each_alone(one_device_params,
@@ -218,23 +223,24 @@ def test_bad_generate_arguments_raise_config_errors(kwargs, field, one_device_pa
 
 # ----------------------------------------------------------------------------- command line
 
-@pytest.fixture(scope='module')
-def tiny_checkpoints(tmp_path_factory):
-  """configs/tiny.py trained a few steps; its checkpoint directory."""
-  workdir = tmp_path_factory.mktemp('tiny_run')
-  result = run_cli('--config', 'configs/tiny.py', '--config.train.steps=2',
-                   '--config.optim.warmup_steps=0',
-                   '--config.eval.every=0', f'--workdir={workdir}')
-  assert result.returncode == 0, result.stderr[-2000:]
-  return workdir / 'checkpoints'
+@pytest.fixture
+def tiny_checkpoints(tiny_run, tmp_path):
+  """A copy of the checkpoints of configs/tiny.py trained TINY_STEPS steps: the README's
+  profiled run (test_readme's, made once per test run)."""
+  cwd, _ = tiny_run
+  return shutil.copytree(os.path.join(cwd, 'runs', 'tiny', 'checkpoints'),
+                         tmp_path / 'checkpoints')
+
+
+def generate_cli(*args):
+  return run_cli_in_process(*args, module='jaxllm.generate')
 
 
 def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp_path):
   """Text and ids from a checkpoint, then the same ids from one step directory and from the
   checkpoint exported as a Hugging Face Llama; bad prompts fail before any parameter is read."""
   args = ['--max_new_tokens', '8', '--greedy', '--print_ids']
-  result = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt', 'def ', *args,
-                   module='jaxllm.generate')
+  result = generate_cli('--checkpoint', str(tiny_checkpoints), '--prompt', 'def ', *args)
   assert result.returncode == 0, result.stderr[-2000:]
   lines = result.stdout.strip().splitlines()
   ids = [int(i) for i in lines[-1].split(',')]
@@ -244,15 +250,14 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
   assert lines[0].startswith('def ')
   # The same prompt as ids (BOS, then the bytes of 'def '), from the step directory.
   same = ['--prompt_ids', '256,100,101,102,32', *args]
-  by_step = run_cli('--checkpoint', str(tiny_checkpoints / '2'), *same, module='jaxllm.generate')
+  by_step = generate_cli('--checkpoint', str(tiny_checkpoints / str(TINY_STEPS)), *same)
   assert by_step.stdout.strip().splitlines()[-1] == lines[-1], by_step.stderr[-2000:]
   # A file of prompts, one per line, as one batch on a mesh with the parameters split as in
   # training: each prompt's ids are those it gets alone on one device (library, in-process).
   lines_of_file = ['def ', 'class Mesh:', '    return']
   (tmp_path / 'prompts.txt').write_text('\n'.join(lines_of_file[:2]) + '\n\n' + lines_of_file[2])
-  by_file = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt_file',
-                    str(tmp_path / 'prompts.txt'), '--mesh=fsdp=2,tensor=2', *args,
-                    module='jaxllm.generate')
+  by_file = generate_cli('--checkpoint', str(tiny_checkpoints), '--prompt_file',
+                         str(tmp_path / 'prompts.txt'), '--mesh=fsdp=2,tensor=2', *args)
   assert by_file.returncode == 0, by_file.stderr[-2000:]
   sections = by_file.stdout.split('--- prompt ')[1:]
   assert [s.split('\n')[0] for s in sections] == ['1 of 3', '2 of 3', '3 of 3']
@@ -263,9 +268,8 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
       tiny_checkpoints, lines_of_file, 8)]
   # tiny has 2 K/V heads: over tensor=4 each is kept whole on the pair of devices that share
   # it, as training does, and the tokens are one device's.
-  by_four = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt_file',
-                    str(tmp_path / 'prompts.txt'), '--mesh=tensor=4', *args,
-                    module='jaxllm.generate')
+  by_four = generate_cli('--checkpoint', str(tiny_checkpoints), '--prompt_file',
+                         str(tmp_path / 'prompts.txt'), '--mesh=tensor=4', *args)
   assert by_four.returncode == 0, by_four.stderr[-2000:]
   assert [s.strip().split('\n')[-1] for s in by_four.stdout.split('--- prompt ')[1:]] == batch_ids
   # Exported as a Hugging Face Llama it generates the same, printing ids only (there is no
@@ -276,15 +280,14 @@ def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp
   config = json.loads((tmp_path / 'hf' / 'config.json').read_text())
   assert (config['max_position_embeddings'], config['bos_token_id'], config['eos_token_id'],
           config['torch_dtype']) == (128, 256, 257, 'float32')
-  by_hf = run_cli('--hf', str(tmp_path / 'hf'), *same, '--mesh=tensor=4',
-                  module='jaxllm.generate')
+  by_hf = generate_cli('--hf', str(tmp_path / 'hf'), *same, '--mesh=tensor=4')
   hf_lines = by_hf.stdout.strip().splitlines()
   assert len(hf_lines) == 1, by_hf.stderr[-2000:]
   assert hf_lines[0] == lines[-1]
-  # Here rather than in a test of its own, so that under xdist one worker trains the checkpoint.
+  # Bad prompts, against the checkpoint copied above.
   check_bad_prompts_are_config_errors(tiny_checkpoints, tmp_path)
-  too_long = run_cli('--checkpoint', str(tiny_checkpoints), '--prompt', 'def ',
-                     '--max_new_tokens', '200', module='jaxllm.generate')
+  too_long = generate_cli('--checkpoint', str(tiny_checkpoints), '--prompt', 'def ',
+                          '--max_new_tokens', '200')
   assert too_long.returncode == 2
   assert too_long.stderr.strip().splitlines() == [
       "error: --prompt is 5 tokens and --max_new_tokens=200: 205 positions, more than the "
@@ -369,8 +372,10 @@ def test_a_mesh_larger_than_the_devices_is_a_config_error():
 
 @pytest.mark.parametrize('name', ['missing_checkpoint', 'top_p'])
 def test_bad_input_is_one_line_and_exit_status_2(name):
+  """The command's exit: the first in a fresh process, whose stderr must hold nothing else."""
   args, field = BAD_FLAGS[name]
-  result = run_cli('--max_new_tokens', '4', *args, module='jaxllm.generate')
+  run = run_cli if name == 'missing_checkpoint' else run_cli_in_process
+  result = run('--max_new_tokens', '4', *args, module='jaxllm.generate')
   assert result.returncode == 2
   lines = [line for line in result.stderr.splitlines() if line.strip()]
   assert len(lines) == 1 and lines[0].startswith('error: ') and field in lines[0], result.stderr

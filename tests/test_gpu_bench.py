@@ -27,7 +27,6 @@ learning-rate schedules are checked against their written-out formulas in tests/
 AdamW and its decay mask are optax's and have no independent reference here.
 """
 
-import importlib.util
 import math
 import os
 import re
@@ -38,7 +37,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_params_close, small_config
+from conftest import REPO, assert_params_close, load_script, run_main, small_config
 from jaxllm.cli import load_config
 from jaxllm.model.layers import rope_frequencies
 from jaxllm.model.remat import REMAT
@@ -48,13 +47,7 @@ from jaxllm.train import setup
 
 
 def load_benchmark(name):
-  """benchmarks/<name>.py as a module. Not by putting benchmarks/ on sys.path: its data.py
-  and checkpoint.py would shadow other modules of those names."""
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, 'benchmarks',
-                                                                   f'{name}.py'))
-  module = sys.modules[name] = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(os.path.join(REPO, 'benchmarks', f'{name}.py'))
 
 
 plain_llama = load_benchmark('plain_llama')  # first: gpu.py imports these by name
@@ -65,10 +58,13 @@ ONE_DEVICE = ['--config.cpu_devices=1', '--config.mesh.data=1', '--config.mesh.f
               '--config.mesh.tensor=1']
 
 
-def run_gpu_bench(*args):
-  """benchmarks/gpu.py run as a script from the repository root, as a user runs it."""
-  return subprocess.run([sys.executable, 'benchmarks/gpu.py', '--config', 'configs/tiny.py',
-                         *ONE_DEVICE, *args], cwd=REPO, capture_output=True, text=True,
+def run_gpu_bench(*args, fresh=True):
+  """benchmarks/gpu.py run as a script from the repository root, as a user runs it: in a
+  fresh process (one CPU device, as asked), or in this one (`run_main`)."""
+  argv = ['python', 'benchmarks/gpu.py', '--config', 'configs/tiny.py', *ONE_DEVICE, *args]
+  if not fresh:
+    return run_main(argv)
+  return subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True,
                         timeout=300)
 
 
@@ -159,7 +155,8 @@ def test_layer_search(limit, cap, want):
     (['--steps', '0'], '--steps=0 must be at least 1'),
 ])
 def test_gpu_bench_bad_input_is_one_line(args, message):
-  out = run_gpu_bench(*args)
+  # A mesh of 2 devices is checked against the devices present: a process with 2 of them.
+  out = run_gpu_bench(*args, fresh='--config.cpu_devices=2' in args)
   assert out.returncode == 2, out.stderr
   assert out.stderr.strip().startswith('error: ') and message in out.stderr, out.stderr
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr

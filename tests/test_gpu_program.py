@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import REPO, data_reductions, run_cli, small_config
+from conftest import REPO, data_reductions, run_cli_in_process, small_config
 from jaxllm import analyze, backends
 from jaxllm.cli import load_config
 from jaxllm.config import ConfigError
@@ -399,11 +399,19 @@ def test_devices_fill_whole_nodes():
   assert len(devices) == 16 and len({d.process_index for d in devices}) == 2  # two hosts
 
 
-def test_analyze_json_and_dump_show_the_gpu_program(tmp_path, tiny_program):
+def test_analyze_json_and_dump_show_the_gpu_program(tmp_path, tiny_program, monkeypatch):
+  """The command on tiny_program's config reports and dumps tiny_program, which it is handed
+  rather than compiling it again: the config it builds from the command line must be the
+  fixture's, for the fixture's devices."""
+  def compiled(cfg, devices):
+    assert cfg.to_dict() == tiny().to_dict()
+    assert [d.device_kind for d in devices] == [tiny_program.device.device_kind] * 8
+    return tiny_program
+  monkeypatch.setattr(analyze, 'compile_step', compiled)
   dump = tmp_path / 'dump'
-  result = run_cli('--config', 'configs/tiny.py', '--json', '--dump', str(dump),
-                   '--config.model.attention=cudnn', '--config.model.dtype=bfloat16',
-                   module='jaxllm.analyze')
+  result = run_cli_in_process('--config', 'configs/tiny.py', '--json', '--dump', str(dump),
+                              '--config.model.attention=cudnn', '--config.model.dtype=bfloat16',
+                              module='jaxllm.analyze')
   assert result.returncode == 0, result.stderr[-2000:]
   r = json.loads(result.stdout)
   assert r['mesh'] == dict(data=2, fsdp=2, pipe=1, tensor=2) and r['prediction']['step_s'] > 0
@@ -439,30 +447,18 @@ def test_analyze_json_and_dump_show_the_gpu_program(tmp_path, tiny_program):
       across['prediction']['step_s'])
   assert across['prediction']['exposed_comm_s'] > pr['exposed_comm_s']  # InfiniBand is slower
   before = {f: (dump / f).read_text() for f in os.listdir(dump)}
-  again = run_cli('--config', 'configs/tiny.py', '--dump', str(dump), module='jaxllm.analyze')
+  again = run_cli_in_process('--config', 'configs/tiny.py', '--dump', str(dump),
+                             module='jaxllm.analyze')
   assert again.returncode == 2
   assert again.stderr.strip().splitlines() == [
       f'error: --dump {dump}: exists and is not an empty directory; name a new one.']
   assert {f: (dump / f).read_text() for f in os.listdir(dump)} == before
 
 
-def test_tune_ranks_gpu_programs():
-  """tune's GPU path end to end (its ranking is test_analyze's, on the CPU's programs)."""
-  result = run_cli('--config', 'configs/tiny.py', '--devices', '1', '--remat', 'none',
-                   '--micro-batches', '1', module='jaxllm.tune')
-  assert result.returncode == 0, result.stderr[-2000:]
-  head, _, row, legend = result.stdout.strip().splitlines()
-  assert head == ('1 candidates fit h100-nvlink (none left out); GPU: XLA\'s program for 1 × '
-                  'NVIDIA H100 80GB HBM3, compiled without a GPU; predicted, best first:')
-  # mesh, remat, micro-batches, ZeRO stage, split, loss chunk and pipeline (none on 1 device):
-  # the config's where not asked
-  assert row.split()[:11] == ['1', '1', '1', '1', '1', 'none', '1', '0', 'none', '1024', '-']
-  assert legend.startswith('matmul: GEMMs and attention;')
-
-
 def test_tune_measures_only_on_as_many_devices_as_present():
-  result = run_cli('--config', 'configs/tiny.py', '--devices', '16', '--measure', '1',
-                   module='jaxllm.tune')
+  """(tune's GPU path end to end: the README's tune command, test_readme.)"""
+  result = run_cli_in_process('--config', 'configs/tiny.py', '--devices', '16', '--measure', '1',
+                              module='jaxllm.tune')
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       'error: --measure runs the candidates on the devices present, 8 × cpu; rank for as many '

@@ -1,6 +1,7 @@
 """Every notebook in notebooks/ runs top to bottom in a fresh kernel, so none can rot."""
 
 import glob
+import json
 import os
 
 import nbformat
@@ -9,9 +10,21 @@ from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 
 from conftest import REPO
+from test_analyze import assert_gpu_reports_meet_the_formulas
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, 'notebooks', '*.ipynb')))
 CELL_TIMEOUT = 300  # seconds per cell
+
+# What a test checks of a notebook's results, where the notebook computes what a test would
+# compute again: code run in its kernel after its last cell prints them as JSON, and a check
+# takes them. Notebook 03 compiles test_analyze's four configs for 8 H100s.
+READ_BACK = {
+    '03_collectives.ipynb': (
+        'import json\n'
+        "print(json.dumps({name: {'config': small_config(**axes).to_json(),\n"
+        "                         'report': reports[name]} for name, axes in MESHES.items()}))",
+        assert_gpu_reports_meet_the_formulas),
+}
 
 
 @pytest.fixture
@@ -23,12 +36,19 @@ def kernel_env(tmp_path, monkeypatch):
   monkeypatch.setenv('MPLBACKEND', 'Agg')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, kernel_env):
   nb = nbformat.read(path, as_version=4)
+  read_back, check = READ_BACK.get(os.path.basename(path), (None, None))
+  if read_back:
+    nb.cells.append(nbformat.v4.new_code_cell(read_back))
   client = NotebookClient(nb, kernel_name='python3', timeout=CELL_TIMEOUT,
                           resources={'metadata': {'path': os.path.dirname(path)}})
   client.execute()  # a failing cell raises CellExecutionError with its traceback
+  if read_back:
+    check(json.loads(''.join(o['text'] for o in nb.cells[-1].outputs
+                             if o.get('name') == 'stdout')))
 
 
 def test_notebooks_are_stored_without_outputs():

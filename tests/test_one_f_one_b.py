@@ -1,5 +1,8 @@
-"""1F1B and interleaved 1F1B: the tick tables against the rules of pipelining, and the
-schedules' loss and gradients against the plain layer stack, head and loss on one device."""
+"""1F1B and interleaved 1F1B: the tick tables against the rules of pipelining, the
+schedules' loss and gradients against the plain layer stack, head and loss on one device (and
+in bf16, against GPipe's), and what the compiled program keeps in the residual slots."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import model_on, paired_leaves, small_config
+from conftest import (leaf_paths, model_on, paired_leaves, small_config, step_gradients,
+                      text_config)
 from jaxllm.config import ConfigError
 from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.pipeline.one_f_one_b import pipeline_loss
@@ -173,6 +177,32 @@ def test_schedule_equals_plain_stack(schedule, stages, repeats, microbatches, re
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.slow
+def test_bf16_step_gradients_match_gpipe(corpus, one_device_gradients):
+  """A train step in bf16 compute (fp32 params) on pipe=2 × fsdp=2 × tensor=2: 1F1B's loss
+  and every gradient against GPipe's, whose weight gradients are summed over the iterations
+  in fp32 (interleaved 1F1B sums as 1F1B does). Both run the same bf16 layers on the same
+  micro-batches; what may part them is the order of fp32 sums. So each gradient tensor must
+  lie within 5% of the distance bf16 itself puts between GPipe's and an independent
+  reference, one device's fp32 gradients (0.6% to 1% in norm). Rounding each tick's weight
+  gradients to bf16 before summing them parted them by a fifth of it (measured: 0.17%)."""
+  _, fp32_grads = one_device_gradients
+
+  def gradients(schedule):
+    cfg = text_config(corpus, pipe=2, fsdp=2, tensor=2)
+    cfg.model.dtype = 'bfloat16'
+    cfg.pipeline.schedule = schedule
+    return step_gradients(cfg)
+
+  (want_loss, want), (loss, got) = gradients('gpipe'), gradients('1f1b')
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  for path, (g, w), (_, fp32) in zip(leaf_paths(want), paired_leaves(got, want),
+                                     paired_leaves(want, fp32_grads)):
+    bf16_error = np.linalg.norm(w - fp32)
+    assert bf16_error > 1e-3 * np.linalg.norm(fp32), path  # bf16 is at work
+    assert np.linalg.norm(g - w) <= 0.05 * bf16_error, path
+
+
 def pipe_config(**fields):
   cfg = small_config(pipe=2, data=2, fsdp=2)
   cfg.model.num_layers = 8
@@ -207,3 +237,57 @@ def test_1f1b_takes_micro_batches_gpipe_refuses():
   with pytest.raises(ConfigError, match='pipeline.microbatches=3 is not a multiple'):
     validate(pipe_config(**{'pipeline.microbatches': 3}), mesh)
   validate(pipe_config(**{'pipeline.microbatches': 3, 'pipeline.schedule': '1f1b'}), mesh)
+
+
+def slot_stacks(hlo_text: str, slots: int) -> set[tuple[int, ...]]:
+  """The shapes of a compiled program's arrays that lead with `slots`: 1F1B's residual slots."""
+  shapes = {tuple(map(int, dims.split(','))) for dims in
+            re.findall(r'\b(?:bf16|f32|s32|pred)\[(\d+(?:,\d+)*)\]', hlo_text)}
+  return {shape for shape in shapes if shape[0] == slots}
+
+
+def weight_shaped(stack: tuple[int, ...], layers: int, weights) -> bool:
+  """Whether a slot stack is [slots, layers, *w] for one of a layer's `weights`, whole or
+  split over axes of 2 devices (each dimension whole or halved)."""
+  return len(stack) > 2 and stack[1] == layers and any(
+      len(stack) - 2 == len(w) and all(d in (b, 2 * b) for d, b in zip(w, stack[2:]))
+      for w in weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('platform', ['cpu', 'h100'])
+def test_no_slot_keeps_a_copy_of_the_stage_weights(platform):
+  """1F1B under remat 'none' where each layer makes new copies of its weights for its matmuls:
+  gathered over fsdp, which splits the sequence (context parallelism), and laid out for the
+  collective matmul's rings (sequence parallelism over tensor). Compiled for 8 CPU devices and
+  for 8 H100s (in bf16, with cuDNN attention), the program's slot stacks [slots, ...] hold the
+  activations' residuals, each with the sequence's 48 positions or its 24 or 12 on a device
+  (a length no weight has), and none is [slots, layers, w] for a weight w or a block of it."""
+  from jaxllm import backends
+  from jaxllm.cost.compile import compile_step
+  from jaxllm.cost.hardware import PROFILES
+  cfg = small_config(pipe=2, fsdp=2, tensor=2)
+  cfg.sharding.rules.update(batch=('data',), seq=('fsdp',), act_seq=('tensor',))
+  cfg.model.update(remat='none', collective_matmul=True)
+  cfg.pipeline.schedule = '1f1b'
+  cfg.train.global_batch = 16
+  cfg.data.seq_len = 48
+  devices = jax.devices()
+  if platform == 'h100':
+    if not backends.cuda_plugin_installed():
+      pytest.skip('needs JAX\'s CUDA plugin: pip install -e ".[dev]"')
+    cfg.model.update(dtype='bfloat16', attention='cudnn')
+    devices = backends.gpu_devices(PROFILES['h100-nvlink'], 8)
+  compiled = compile_step(cfg, devices)
+  spec = compiled.pipeline
+  slots = one_f_one_b_ticks(spec.stages, spec.repeats, spec.microbatches).slots()[2]
+  layers_per_stage = cfg.model.num_layers // spec.stages
+  stacks = slot_stacks(compiled.text, slots)
+  assert any({48, 24, 12} & set(s) for s in stacks), stacks
+  assert not [s for s in stacks if weight_shaped(s, layers_per_stage, weight_shapes(cfg.model))]
+
+
+def weight_shapes(m) -> set[tuple[int, ...]]:
+  """A layer's matrices: q, k and v; the attention output; gate and up; down."""
+  D, N, K, H, F = m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+  return {(D, N, H), (D, K, H), (N, H, D), (D, F), (F, D)}

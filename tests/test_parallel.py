@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import (assert_params_close, leaf_paths, paired_leaves, small_config,
+from conftest import (assert_params_close, leaf_paths, once_per_run, paired_leaves, small_config,
                       step_gradients, text_config)
 from jaxllm.config import ConfigError
 from jaxllm.cost import hlo
@@ -95,7 +95,8 @@ def one_device_gradients(short_documents):
       cfg.model.update(model)
       first = next(iter(setup(cfg, jax.devices()[:1]).batches))
       assert (np.asarray(first['segment_ids']).max(axis=1) > 1).all()  # documents meet in rows
-      made[key] = step_gradients(cfg, jax.devices()[:1])
+      made[key] = once_per_run(f'test_parallel.one_device_gradients{key}',
+                               lambda: step_gradients(cfg, jax.devices()[:1]))
     return made[key]
   return gradients
 
@@ -153,34 +154,41 @@ def test_micro_batches_equal_one_large_batch(corpus):
   assert_params_close(acc_params, one_params)
 
 
-def _scans(jaxpr):
-  """Every scan in a jaxpr, however deeply nested (jit, shard_map, remat, custom_vjp)."""
+def _equations(jaxpr):
+  """Every equation of a jaxpr, however deeply nested (jit, shard_map, remat, custom_vjp)."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'scan':
-      yield eqn
+    yield eqn
     for value in eqn.params.values():
       inner = getattr(value, 'jaxpr', value)
       if hasattr(inner, 'eqns'):
-        yield from _scans(inner)
+        yield from _equations(inner)
 
 
-def test_gradients_accumulate_in_fp32_under_bf16_parameters():
-  """bf16 weights (chosen knowingly) still sum their micro-batches' gradients in fp32: a bf16
-  sum of many micro-batches would lose the small ones. Read from the step's own program."""
+@pytest.mark.parametrize('micro_batches', [1, 4])
+def test_gradients_are_summed_in_fp32_under_bf16_parameters(micro_batches):
+  """bf16 weights (chosen knowingly) still sum their gradients in fp32: over micro-batches (a
+  bf16 sum of many would lose the small ones) and over data, one micro-batch's too. Read from
+  the step's own program."""
   cfg = small_config(data=2, fsdp=2)
   cfg.model.update(dtype='bfloat16', param_dtype='bfloat16', num_layers=2)
-  cfg.train.update(micro_batches=4, global_batch=16)
+  cfg.train.update(micro_batches=micro_batches, global_batch=16)
   run = setup(cfg, jax.devices()[:4])
   with sharding_context(run.mesh, run.layout.rules):
-    program = jax.make_jaxpr(run.train_step)(run.state, next(run.batches))
+    program = run.train_step.trace(run.state, next(run.batches)).jaxpr
+  assert {x.dtype for x in jax.tree.leaves(run.state.params)} == {np.dtype('bfloat16')}
   num_params = len(jax.tree.leaves(run.state.params))
-  accumulation = [e for e in _scans(program.jaxpr)
-                  if e.params['length'] == 4 and e.params['num_carry'] == num_params + 2]
+  over_data = [e for e in _equations(program.jaxpr)
+               if e.primitive.name == 'psum' and 'data' in e.params['axes']]
+  assert len(over_data) >= num_params  # the gradients', the loss's and the tokens'
+  assert {v.aval.dtype for e in over_data for v in e.invars} == {np.dtype('float32')}
+  if micro_batches == 1:
+    return
+  accumulation = [e for e in _equations(program.jaxpr) if e.primitive.name == 'scan' and
+                  e.params['length'] == 4 and e.params['num_carry'] == num_params + 2]
   assert len(accumulation) == 1
   scan = accumulation[0]
   carry = scan.invars[scan.params['num_consts']:][:scan.params['num_carry']]
   assert {v.aval.dtype for v in carry} == {np.dtype('float32')}
-  assert {x.dtype for x in jax.tree.leaves(run.state.params)} == {np.dtype('bfloat16')}
 
 
 def test_text_batches_follow_the_seed(corpus):

@@ -10,11 +10,13 @@ from flax import nnx
 
 from conftest import (assert_params_close, model_on, paired_leaves, small_config,
                       step_gradients, text_config)
+from jaxllm.config import ConfigError
+from jaxllm.cost import hlo
 from jaxllm.parallel.mesh import make_mesh, sharding_context
 from jaxllm.pipeline.gpipe import pipeline_layers
 from jaxllm.pipeline.spec import PipelineSpec, to_stage_order
 from jaxllm.train import setup, train
-from jaxllm.validate import resolve_mesh
+from jaxllm.validate import resolve_mesh, validate
 
 LAYERS = 8
 
@@ -81,6 +83,17 @@ def test_pipeline_equals_plain_stack(stages, repeats, microbatches, remat, plain
   for got, want in paired_leaves(grads, ref_grads):
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_a_bf16_pipeline_trains_on_the_cpu():
+  """bf16 compute through GPipe on the CPU: XLA's CPU compiler aborted the process (exit 134)
+  in its all-reduce-promotion pass, on the bf16 reduce-scatter of the pipeline's outputs over
+  pipe; `jaxllm.backends.compiler_options` leaves that pass out of pipelined programs."""
+  cfg = small_config(pipe=2, data=2, tensor=2)
+  cfg.model.dtype = 'bfloat16'
+  cfg.train.steps = 1
+  _, history = train(cfg)
+  assert [row['step'] for row in history] == [1] and np.isfinite(history[0]['loss'])
 
 
 def test_stage_order_round_trips_and_interleaves():
@@ -162,17 +175,72 @@ def test_each_device_holds_only_its_stage():
   # Matrices split 8 ways; the norm scales only 2 ways (pipe), so allow a little more.
   assert stack_bytes / 8 <= per_device <= stack_bytes / 8 * 1.05
   with sharding_context(run.mesh, run.layout.rules):
-    hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
-  assert 'collective-permute' in hlo
-  gathered = re.findall(r'= f32\[(\d+),[\d,]*\][^\n]*? all-gather', hlo)
-  assert '6' not in gathered, 'a whole layer stack was all-gathered across pipe'
+    text = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
+  found = hlo.collectives(text, dict(run.mesh.shape), cpu=True)
+  assert any(c.kind == 'collective-permute' and c.axes == ('pipe',) for c in found)
+  # Each stage gathers its own 3 layers' weights over fsdp, [stage, repeat, layer, ...] = [1,
+  # 1, 3, ...]; nothing gathers all 6 (as XLA does over pipe for the same step unpipelined).
+  gathered = all_gathers(text, dict(run.mesh.shape))
+  assert any(axes == ('fsdp',) and dims[:3] == (1, 1, 3) for axes, dims in gathered), gathered
+  assert not [dims for _, dims in gathered if 6 in dims[:3]], 'a whole layer stack was gathered'
 
 
-def loop_collectives(hlo: str) -> set[str]:
+def all_gathers(text: str, mesh_shape: dict[str, int]) -> list[tuple[tuple[str, ...], tuple]]:
+  """(the mesh axes it spans, the dimensions it delivers) of each all-gather of a compiled
+  program."""
+  computations, _ = hlo.program(text)
+  return [(hlo.group_axes(hlo.device_groups(inst.attrs), mesh_shape)[0], dims)
+          for insts in computations.values() for inst in insts.values()
+          if hlo.collective_kind(inst) == 'all-gather'
+          for _, dims in hlo.arrays(hlo.delivered(inst))]
+
+
+@pytest.mark.parametrize('rules,message,alone', [
+    # every stage would run stage 0's blocks: the others' gradients 0.0, the loss still falling
+    (dict(layers=()), "sharding.rules.layers=(): mesh.pipe=2 cuts the layer stack into stages "
+                      "over 'pipe', so the layers rule must be ('pipe',) alone", True),
+    (dict(layers=('data',)), "sharding.rules.layers=('data',): mesh.pipe=2", True),
+    (dict(layers=('pipe', 'data')), "sharding.rules.layers=('pipe', 'data'): mesh.pipe=2", True),
+    # fsdp splits the weights' embed dimension as well: refused without a pipeline too
+    (dict(layers=('fsdp',)), "sharding.rules.layers=('fsdp',): mesh.pipe=2", False),
+    # the head's vocabulary split by hand over the stages: a NaN loss
+    (dict(vocab=('pipe',)), "sharding.rules.vocab=('pipe',) names 'pipe', which the pipeline "
+                            "(mesh.pipe=2) keeps for the stages of the layer stack", True),
+])
+def test_a_pipeline_takes_the_layers_rule_on_pipe_alone(rules, message, alone):
+  """A run refuses, in one line, a rules table that would pipeline the wrong blocks; without
+  a pipeline the same rules are the user's to choose (where nothing else refuses them)."""
+  cfg = small_config(pipe=2, data=2, fsdp=2)
+  cfg.train.global_batch = 16
+  cfg.sharding.rules.update(rules)
+  with pytest.raises(ConfigError) as error:
+    setup(cfg)
+  assert message in str(error.value) and '\n' not in str(error.value)
+  cfg.mesh.update(pipe=1, data=4)
+  if alone:
+    validate(cfg, dict(cfg.mesh))
+  else:
+    with pytest.raises(ConfigError, match="both split over 'fsdp'"):
+      validate(cfg, dict(cfg.mesh))
+
+
+def test_pipeline_settings_without_a_pipeline_are_a_note(capsys):
+  """pipeline.* on mesh.pipe=1 change nothing: the run says which, and trains unpipelined."""
+  cfg = small_config(data=2)
+  cfg.pipeline.update(schedule='1f1b', microbatches=4)
+  run = setup(cfg, jax.devices()[:2])
+  assert run.pipeline is None
+  assert ("note: mesh.pipe=1 runs no pipeline, so these settings do nothing: "
+          "pipeline.microbatches=4, pipeline.schedule='1f1b'.") in capsys.readouterr().out
+  setup(small_config(data=2), jax.devices()[:2])
+  assert 'pipeline' not in capsys.readouterr().out
+
+
+def loop_collectives(text: str) -> set[str]:
   """Kinds of collective inside while-loop bodies of a compiled HLO module."""
-  bodies = set(re.findall(r'body=%?([\w.\-]+)', hlo))
+  bodies = set(re.findall(r'body=%?([\w.\-]+)', text))
   found, current = set(), None
-  for line in hlo.splitlines():
+  for line in text.splitlines():
     header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
     if header:
       current = header.group(1)
@@ -195,5 +263,5 @@ def test_batch_axis_traffic_is_once_per_step(gather, in_loops):
   cfg.pipeline.gather_weights = gather
   run = setup(cfg)
   with sharding_context(run.mesh, run.layout.rules):
-    hlo = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
-  assert loop_collectives(hlo) == in_loops
+    text = run.train_step.lower(run.state, next(run.batches)).compile().as_text()
+  assert loop_collectives(text) == in_loops

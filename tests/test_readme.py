@@ -9,6 +9,10 @@ bf16 Hugging Face Llama with a tokenizer), `python` run as this interpreter, the
 (`SHORTEN`). Each command runs in a temporary directory where `configs` links to the
 repository's, so `runs/...` lands there. A code block the table does not name fails
 `test_every_readme_code_block_is_in_the_table`: a new block needs a test (or a reason).
+
+Commands run in this process (`conftest.run_main`: a `jaxllm.train` run there also says it is
+one process), but for those whose output depends on a fresh one: the runs on a config that
+leaves `cpu_devices` to JAX (one CPU device, where this process has 8).
 """
 
 import dataclasses
@@ -16,6 +20,7 @@ import glob
 import json
 import math
 import os
+import pathlib
 import re
 import shlex
 import subprocess
@@ -30,8 +35,10 @@ import torch
 from ml_collections import ConfigDict
 from transformers import LlamaForCausalLM
 
-from conftest import REPO, paired_leaves
+from conftest import REPO, once_per_run, paired_leaves, run_dir, run_main
 from test_chat import tokenizer_dir  # noqa: F401  (a fixture: a BPE tokenizer with a chat template)
+from jaxllm import backends
+from jaxllm.cost.hardware import PROFILES
 from test_hf import RULES, hf_logits, mesh_of, our_logits, save_hf_model
 
 README = os.path.join(REPO, 'README.md')
@@ -185,6 +192,8 @@ TABLE = {
                               'does before the tests), after the profiled run of configs/tiny.py: '
                               'it resumes, finds the steps done and stops, as the README says'),
     'pip install -e ".[dev]" && pytest -n 2': not_run('the CI job itself, which runs this file'),
+    'pip install -e ".[dev]" && pytest -n 2 -m "not slow"':
+        not_run("the CI job's tests less those marked slow, this file's quick ones among them"),
     LOG_BLOCK: run_by(TINY_CHAIN, note="the tiny run's log: its lines before the first compile "
                       'are printed as they stand by the tiny run'),
     # Choosing the mesh and other settings
@@ -293,11 +302,15 @@ def readme_cwd(directory) -> str:
   return str(directory)
 
 
-def run(argv: list[str], cwd, timeout=TIMEOUT) -> subprocess.CompletedProcess:
-  """Runs `python ...` in cwd with this interpreter; it must exit 0."""
+def run(argv: list[str], cwd, fresh=False) -> subprocess.CompletedProcess:
+  """Runs `python ...` in cwd, in this process (`run_main`) or, `fresh`, as a new process of
+  this interpreter; it must exit 0."""
   assert argv[0] == 'python', argv
-  result = subprocess.run([sys.executable, *argv[1:]], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+  if fresh:
+    result = subprocess.run([sys.executable, *argv[1:]], cwd=cwd, capture_output=True, text=True,
+                            timeout=TIMEOUT)
+  else:
+    result = run_main(argv, cwd)
   assert result.returncode == 0, (f'`{shlex.join(argv)}` in {cwd} exited {result.returncode}:\n'
                                   f'{result.stdout[-1500:]}\n{result.stderr[-3000:]}')
   return result
@@ -365,12 +378,17 @@ def assert_overrides_in_config_json(words, workdir, shortened):
 # ----------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope='module')
-def hf_checkpoint(tmp_path_factory, tokenizer_dir):  # noqa: F811
+def hf_checkpoint(tokenizer_dir):  # noqa: F811
   """/models/Llama-3.2-1B(-Instruct) here: a tiny random LlamaForCausalLM saved in bfloat16 by
   transformers, as Llamas are released, with a tokenizer.json and a tokenizer_config.json that
-  holds a chat template (test_chat's), its vocabulary the tokenizer's."""
+  holds a chat template (test_chat's), its vocabulary the tokenizer's. Made once per test run
+  (tests only read it)."""
+  return once_per_run('hf_checkpoint', lambda: save_hf_llama(tokenizer_dir))
+
+
+def save_hf_llama(tokenizer_dir):
   from tokenizers import Tokenizer
-  root = tmp_path_factory.mktemp('hf_llama')
+  root = pathlib.Path(run_dir('hf_llama'))
   tokenizer = Tokenizer.from_file(str(tokenizer_dir / 'tokenizer.json'))
   model = save_hf_model(root, dtype=torch.bfloat16)
   model.resize_token_embeddings(tokenizer.get_vocab_size(), mean_resizing=False)
@@ -385,13 +403,15 @@ def hf_checkpoint(tmp_path_factory, tokenizer_dir):  # noqa: F811
   return root
 
 
-@pytest.fixture(scope='module')
-def tiny_run(tmp_path_factory):
+@pytest.fixture(scope='session')
+def tiny_run():
   """The README's profiled run of configs/tiny.py, shortened to TINY_STEPS, in a directory of
-  its own: (that directory, the run's result). Its runs/tiny/checkpoints is what the README's
-  generate and export commands read."""
-  cwd = readme_cwd(tmp_path_factory.mktemp('readme_tiny'))
-  return cwd, run_readme(PROFILE, cwd, shorten=steps(TINY_STEPS))
+  its own, once per test run: (that directory, the run's result). Its runs/tiny/checkpoints is
+  what the README's generate and export commands read (and test_generate's, from a copy)."""
+  def profiled_run():
+    cwd = readme_cwd(run_dir('readme_tiny'))
+    return cwd, run_readme(PROFILE, cwd, shorten=steps(TINY_STEPS))
+  return once_per_run('readme_tiny_run', profiled_run)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -439,9 +459,11 @@ def test_the_tiny_run_profiles_resumes_generates_and_exports(tiny_run, tmp_path)
   workdir = os.path.join(cwd, 'runs', 'tiny')
   # The profiled run: the README's sentence about it, its files, a checkpoint, metrics.
   assert 'profile  steps 10–12 traced into runs/tiny/profile' in result.stdout
+  # jax writes plugins/profile/<time>/<host>.xplane.pb, and the trace as JSON beside it.
   [trace] = glob.glob(os.path.join(workdir, 'profile', 'plugins', 'profile', '*'))
-  assert glob.glob(os.path.join(trace, 'perfetto_trace.json.gz'))
-  assert glob.glob(os.path.join(trace, '*.xplane.pb'))
+  assert os.path.getsize(os.path.join(trace, 'perfetto_trace.json.gz')) > 0
+  [xplane] = glob.glob(os.path.join(trace, '*.xplane.pb'))
+  assert os.path.getsize(xplane) > 0
   assert_trained(workdir, TINY_STEPS)
   assert os.listdir(os.path.join(workdir, 'checkpoints')) == [str(TINY_STEPS)]
   # The README's log of the tiny run: its lines before the first compile, word for word.
@@ -556,12 +578,12 @@ def recipe_config(directory, checkpoint) -> str:
 def test_the_hugging_face_recipe_fine_tunes_and_exports(devices, hf_checkpoint, corpus, tmp_path):
   """`python -m jaxllm.train --config hf_recipe.py` with the data path a user must give, two
   steps (and once on 8 simulated devices); then the README's export of its checkpoints, which
-  transformers loads."""
+  transformers loads. The recipe's default devices are a fresh process's: one CPU."""
   cwd = tmp_path
   readme_cwd(cwd)
   config = recipe_config(cwd, hf_checkpoint)
   result = run(['python', '-m', 'jaxllm.train', '--config', config, f'--config.data.path={corpus}',
-                *steps(2), *devices], cwd)
+                *steps(2), *devices], cwd, fresh=not devices)
   workdir = cwd / 'runs' / 'hf_recipe'
   assert f'devices  {8 if devices else 1} × cpu' in result.stdout
   assert f'parameters from hf:{hf_checkpoint}, fresh optimizer state' in result.stdout
@@ -575,7 +597,8 @@ def test_the_hugging_face_recipe_fine_tunes_and_exports(devices, hf_checkpoint, 
 
 def test_chat_fine_tunes_a_hugging_face_checkpoint(hf_checkpoint, tmp_path):
   """The README's conversation is chats.jsonl; configs/X.py is a config holding the
-  checkpoint's model section (what `hf.model_config` reads from it)."""
+  checkpoint's model section (what `hf.model_config` reads from it), whose devices are a fresh
+  process's: one CPU."""
   from jaxllm import hf
   cwd = readme_cwd(tmp_path)
   lines = [line for line in readme_block(CHAT_BLOCK).lines if line.strip()]
@@ -591,7 +614,7 @@ def test_chat_fine_tunes_a_hugging_face_checkpoint(hf_checkpoint, tmp_path):
   words, argv = readme_argv(CHAT_CMD, subs=[('configs/X.py', 'chat_model.py'),
                                             ('/models/Llama-3.2-1B-Instruct', hf_checkpoint)],
                             shorten=steps(2))
-  result = run(argv, cwd)
+  result = run(argv, cwd, fresh=True)
   assert f'parameters from hf:{hf_checkpoint}, fresh optimizer state' in result.stdout
   workdir = tmp_path / 'runs' / 'chat_model'
   assert_trained(workdir, 2)
@@ -632,8 +655,7 @@ def test_the_error_examples_are_what_their_configs_print(start, tmp_path):
   assert len([line for line in readme_block(ERROR_BLOCK).lines if line.strip()]) == len(
       ERROR_CONFIGS), 'an error example without a config that prints it'
   argv = ['python', '-m', 'jaxllm.train', '--config', 'configs/tiny.py', *ERROR_CONFIGS[start]]
-  result = subprocess.run([sys.executable, *argv[1:]], cwd=readme_cwd(tmp_path),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+  result = run_main(argv, readme_cwd(tmp_path))
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [line], result.stderr[-2000:]
 
@@ -648,14 +670,13 @@ TUNE_OPTIONS = ['--devices', '1', '--remat', 'none', '--micro-batches', '1']
 def sharded_matmul_for_8_h100s() -> str:
   """The optimized H100 program of a matmul whose contraction is split over 8 GPUs (its
   partial products all-reduced), compiled here without a GPU."""
-  from jaxllm import backends
-  from jaxllm.cost.hardware import PROFILES
   devices = backends.gpu_devices(PROFILES['h100-nvlink'], 8)
   mesh = jax.sharding.Mesh(np.array(devices), ('x',))
   spec = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
   arg = lambda shape, *axes: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=spec(*axes))
   matmul = jax.jit(jnp.matmul, out_shardings=spec())
-  return matmul.lower(arg((4096, 8192), None, 'x'), arg((8192, 4096), 'x')).compile().as_text()
+  with backends.compiling_for(devices):
+    return matmul.lower(arg((4096, 8192), None, 'x'), arg((8192, 4096), 'x')).compile().as_text()
 
 
 @pytest.mark.parametrize('key', commands_of(ANALYZE))
@@ -664,9 +685,14 @@ def test_analyze_and_tune_as_printed(key, tmp_path):
     for flag in TUNE_OPTIONS[::2]:
       assert f'[{flag} ' in key, f'{flag} is not an option tune\'s summary shows'
     out = run_readme(key, readme_cwd(tmp_path), needs=TUNE_OPTIONS).stdout
-    fit = re.search(r'^(\d+) candidates fit h100-nvlink', out, re.M)
-    assert fit and int(fit[1]) >= 1, out
-    assert len(re.findall(r'^ +\d+ +\d+ +\d+ +\d+ +\d+  none +1  ', out, re.M)) == int(fit[1]), out
+    # One candidate, the GPU's program ranked: the table's head, its row, its legend.
+    head, _, row, legend = out.strip().splitlines()
+    assert head == ('1 candidates fit h100-nvlink (none left out); GPU: XLA\'s program for 1 × '
+                    'NVIDIA H100 80GB HBM3, compiled without a GPU; predicted, best first:')
+    # mesh, remat, micro-batches, ZeRO stage, split, loss chunk and pipeline (none on 1
+    # device): the config's where not asked
+    assert row.split()[:11] == ['1', '1', '1', '1', '1', 'none', '1', '0', 'none', '1024', '-']
+    assert legend.startswith('matmul: GEMMs and attention;')
     return
   if '--hlo' in key:  # any program's HLO text: here a sharded matmul's, for 8 H100s
     program = tmp_path / 'program.hlo.txt'
@@ -678,7 +704,12 @@ def test_analyze_and_tune_as_printed(key, tmp_path):
   out = run_readme(key, readme_cwd(tmp_path)).stdout
   devices = 64 if '--devices 64' in key else 8
   assert f"XLA's program for {devices} × NVIDIA H100 80GB HBM3" in out
-  assert re.search(r'^  peak .* fits the 59.74 GiB', out, re.M), out
+  mesh = 'data=2 fsdp=8 pipe=1 tensor=4' if devices == 64 else 'data=1 fsdp=8 pipe=1 tensor=1'
+  assert f'{mesh}  ({devices} devices)' in out and '8,030.26M total' in out, out
+  # one verdict: Llama-3-8B's step fits what a JAX process may use of an H100
+  verdicts = re.findall(r'^  peak .*?(fits|does NOT fit) the ', out, re.M)
+  assert verdicts == ['fits'], out
+  assert 'fits the 59.74 GiB a process may use of h100-nvlink' in out
   # where the predicted step goes, and its most expensive kernels, as the README says
   assert re.search(r'^predicted on h100-nvlink: step [\d,.]+ ms, [\d,]+ tokens/s, MFU', out, re.M)
   for part in ('GEMMs', 'attention', 'memory-bound', 'launches', 'exposed comm'):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from jaxllm.backends import compiler_options, lowering_for
+from jaxllm.backends import compiler_options, compiling_for, lowering_for
 from jaxllm.checkpoint import restore_target
 from jaxllm.config import ConfigError
 from jaxllm.model import with_available_attention
@@ -98,8 +98,10 @@ def compile_step(cfg: ConfigDict, devices=None) -> Compiled:
     raise ConfigError(f"model.attention='cudnn' on {devices[0].device_kind}: "
                       f"{str(e).rstrip('.')}; use model.attention='xla' or change the model's "
                       'shapes.') from None
-  executable = lowered.compile({**COMPILE_OPTIONS,
-                                **compiler_options(cfg.model, devices[0].platform)})
+  with compiling_for(devices):
+    executable = lowered.compile({**COMPILE_OPTIONS,
+                                  **compiler_options(cfg.model, devices[0].platform,
+                                                     pipeline is not None)})
   split = lambda xs: shard_bytes([x for x in xs if 'fsdp' in mesh_axes(x.sharding.spec)])
   head = state.params['embed_VD' if cfg.model.tie_embeddings else 'head_DV']
   zero_split = [x for x in jax.tree.leaves(state.params) if layout.zero and

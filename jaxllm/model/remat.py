@@ -36,10 +36,11 @@ REMAT = {
 
 def stack_policy(remat: str):
   """The policy of a checkpoint around `scan_blocks` whose weights are made anew on every call
-  (a pipeline stage's, sliced or gathered per iteration): it keeps each layer's input and what
-  the layers' own policy keeps, so nothing is recomputed twice, but never the weights, which
-  every call would otherwise keep a copy of. Under 'none' it keeps the outputs of the weight
-  matmuls and of attention: only elementwise work is recomputed."""
+  (a pipeline stage's, sliced or gathered per iteration, or cast by its layers in each 1F1B
+  tick): it keeps each layer's input and what the layers' own policy keeps, so nothing is
+  recomputed twice, but never the weights, which every call would otherwise keep a copy of.
+  Under 'none' it keeps the outputs of the weight matmuls and of attention: only elementwise
+  work is recomputed."""
   kept = REMAT[remat] if remat != 'none' else _keep('projection', 'attention')
   return jax.checkpoint_policies.save_from_both_policies(
       kept, jax.checkpoint_policies.save_only_these_names('layer_input'))

@@ -15,7 +15,10 @@ Without differentiation (eval) only the forwards and head run.
 
 The stage weights are not kept per slot: a residual that *is* the chunk's weights (their
 forward is a scan over them) is left out of the buffer and the chunk's weights put back when
-the pullback is rebuilt.
+the pullback is rebuilt; the copies the layers make of them (cast to the compute dtype,
+gathered over an axis that splits the sequence, laid out for a collective matmul's rings) are
+remade in the backward (`_Stage`). Each tick's weight gradients come back in fp32 and are
+summed in it, as GPipe's scan sums its iterations'.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.model.remat import stack_policy
 from jaxllm.model.transformer import head_loss_sum, scan_blocks
 from jaxllm.parallel.gather import batch_split_gatherer, compiler_axes
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
@@ -58,7 +62,7 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
   auto = compiler_axes()
   layouts = jax.tree.map(lambda s: keep_axes(s, auto),
                          (jax.tree.map(lambda s: P(*s[1:]), staged_specs), head_specs))
-  stage = _Stage(graphdef, model_cfg.remat, jnp.dtype(model_cfg.dtype))
+  stage = _Stage(graphdef, model_cfg.remat)
   head = _Head(model_cfg, norm_graph, z_loss)
   schedule = _schedule_loss(stage, head, one_f_one_b_ticks(S, R, M), layouts, spec.bubble_fill)
 
@@ -79,13 +83,22 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
 
 
 class _Stage:
-  """A chunk of the layer stack, run forward, linearized and pulled back."""
+  """A chunk of the layer stack, run forward, linearized and pulled back.
 
-  def __init__(self, graphdef, remat: str, compute_dtype):
-    self.graphdef, self.remat, self.compute_dtype = graphdef, remat, compute_dtype
+  Its weights come in their own dtype (fp32, holding the compute dtype's values), so that each
+  tick's weight gradients come back in it, to be summed in fp32 as GPipe's scan sums them;
+  the layers cast them to the compute dtype (and gather them where the sequence is split over
+  an axis that splits them) as they use them. Those copies are new values every tick: the
+  chunk runs under `stack_policy`, which never keeps them in a slot, but remakes them for the
+  backward from the weights (what the slots keep besides is what model.remat says; under
+  'none', the outputs of the weight matmuls and of attention)."""
+
+  def __init__(self, graphdef, remat: str):
+    self.graphdef, self.remat = graphdef, remat
 
   def __call__(self, w, x_BTD, info):
-    return scan_blocks(self.graphdef, w, x_BTD, *info, self.remat)[0]  # no experts: no stats
+    run = lambda w, x_BTD: scan_blocks(self.graphdef, w, x_BTD, *info, self.remat)[0]  # no experts
+    return jax.checkpoint(run, policy=stack_policy(self.remat), prevent_cse=False)(w, x_BTD)
 
   def linearize(self, w, x_BTD, info):
     """(output, residuals to keep, (pullback structure, where w's leaves go in it))."""
@@ -158,7 +171,7 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
   table = {k: jnp.asarray(v, jnp.int32) for k, v in zip(
       _FIELDS, (ticks.forward, f_slot, ticks.backward, b_slot))}
   microbatch, chunk = (jnp.asarray(a, jnp.int32) for a in (ticks.microbatch, ticks.chunk))
-  weights = jax.tree.map(lambda w: w[0].astype(stage.compute_dtype), staged)  # [R, L/(S·R), ...]
+  weights = jax.tree.map(lambda w: w[0], staged)  # [R, L/(S·R), ...]
   chunk_weights = lambda r: jax.tree.map(lambda w: w[0] if R == 1 else w[r], weights)
   info_of = lambda m: jax.tree.map(lambda a: a[m], info_M)
   forward_ring = [(i, (i + 1) % S) for i in range(S if R > 1 else S - 1)]
