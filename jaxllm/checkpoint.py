@@ -28,9 +28,10 @@ from jaxllm.config import ConfigError, TrainingError, default_config
 from jaxllm.data import Streams
 from jaxllm.step import state_shapes
 
-# Model fields that fix parameter shapes; a checkpoint restores only where they all agree.
+# Model fields that fix the parameters and their shapes; a checkpoint restores only where they
+# all agree.
 SHAPE_FIELDS = ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
-                'mlp_dim', 'tie_embeddings', 'param_dtype')
+                'mlp_dim', 'tie_embeddings', 'param_dtype', 'qk_norm', 'qkv_bias', 'post_norms')
 # model.moe's (the router's kind decides whether there are router biases).
 MOE_SHAPE_FIELDS = ('experts', 'mlp_dim', 'shared_experts', 'shared_mlp_dim', 'first_dense',
                     'every', 'router')
@@ -115,8 +116,10 @@ def _storage_failed(e: Exception) -> bool:
 
 
 def _check_model_shape(saved: dict, model_cfg: ConfigDict, where: str) -> None:
+  # A checkpoint saved before a field existed has its default.
   saved_moe = {**default_config().model.moe.to_dict(), **saved['model'].get('moe', {})}
-  fields = [(f, saved['model'][f], model_cfg[f]) for f in SHAPE_FIELDS]
+  fields = [(f, saved['model'].get(f, default_config().model[f]), model_cfg[f])
+            for f in SHAPE_FIELDS]
   fields += [(f'moe.{f}', saved_moe[f], model_cfg.moe[f]) for f in MOE_SHAPE_FIELDS]
   for field, was, now in fields:
     if was != now:

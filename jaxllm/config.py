@@ -16,6 +16,10 @@ REMAT_POLICIES = ('none', 'full', 'dots', 'dots_except_mlp', 'attention')
 
 
 ATTENTION_IMPLS = ('xla', 'cudnn')
+# A layer's attention (model.layer_types): causal over the whole context, or over a window.
+LAYER_TYPES = ('full', 'sliding')
+MLP_ACTIVATIONS = ('silu', 'gelu_tanh')  # model.mlp_activation: SwiGLU, GeGLU
+ROPE_SCALINGS = ('llama3', 'linear')     # model.rope_scaling.kind
 FP8_RECIPES = ('none', 'delayed', 'current')
 
 
@@ -95,11 +99,32 @@ def default_config() -> ConfigDict:
       head_dim=32,
       mlp_dim=512,
       rope_theta=10_000.0,
-      # Llama-3 frequency scaling; factor 0 turns it off.
-      rope_scaling=ConfigDict(dict(factor=0.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                   original_max_position=8192)),
+      # Frequency scaling; factor 0 turns it off. kind 'llama3': Llama 3's (long wavelengths
+      # slowed by factor, short ones kept, the band between blended); 'linear': every
+      # frequency divided by factor (positions interpolated).
+      rope_scaling=ConfigDict(dict(kind='llama3', factor=0.0, low_freq_factor=1.0,
+                                   high_freq_factor=4.0, original_max_position=8192)),
       norm_eps=1e-5,
       tie_embeddings=False,
+      # What other families change in the block; the defaults are Llama's. Qwen3: qk_norm;
+      # Qwen2/2.5: qkv_bias; Mistral: sliding layers; Gemma 3: all but qkv_bias.
+      qk_norm=False,          # RMSNorm over each head of q and of k, before RoPE
+      qkv_bias=False,         # biases on the q, k and v projections
+      mlp_activation='silu',  # the gated MLP's: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU)
+      # RMSNorm scales stored as w and applied as 1 + w, so they start at 0 (Gemma's norms)
+      norm_zero_centered=False,
+      # a norm on attention's and on the MLP's output too, before each joins the residual
+      post_norms=False,
+      scale_embeddings=False,  # the embedding's rows times √embed_dim
+      attention_scale=0.0,     # what q·k is multiplied by before the softmax; 0: 1/√head_dim
+      # Each layer's attention: 'full' (every earlier position) or 'sliding' (the last
+      # sliding_window positions, its own included), the tuple repeated over the layers:
+      # ('sliding',) is Mistral's, ('sliding',) * 5 + ('full',) Gemma 3's.
+      layer_types=('full',),
+      sliding_window=0,
+      # the sliding layers' RoPE base, which then takes no rope_scaling (Gemma 3's local
+      # layers); 0: the same RoPE as the full layers
+      sliding_rope_theta=0.0,
       init_std=0.02,
       dtype='float32',        # compute dtype of activations and matmuls
       # storage dtype of the parameters: the master weights the optimizer updates. At
@@ -293,8 +318,8 @@ def default_config() -> ConfigDict:
       async_save=True,     # write in the background while training goes on
   ))
   # Start from the parameters of this checkpoint (a checkpoint dir or one step in it, or
-  # 'hf:DIR', a Hugging Face Llama checkpoint) and fresh optimizer state: fine-tuning.
-  # Ignored when the run has checkpoints of its own.
+  # 'hf:DIR', a Hugging Face checkpoint of a family jaxllm.hf reads) and fresh optimizer state:
+  # fine-tuning. Ignored when the run has checkpoints of its own.
   c.init_from = ''
 
   # Many processes (hosts) as one run, through jax.distributed. Under SLURM, Open MPI or
@@ -337,6 +362,11 @@ def scan_units(model_cfg: ConfigDict) -> int:
   layer, or with experts one per MoE layer (with the dense layers before it where moe.every
   is n > 1); the first dense layers are a stack of their own."""
   return moe_layers(model_cfg) or model_cfg.num_layers
+def layer_types(model_cfg: ConfigDict) -> tuple[str, ...]:
+  """Each layer's attention type, 'full' or 'sliding': model.layer_types repeated over the
+  model.num_layers layers."""
+  pattern = model_cfg.layer_types
+  return tuple(pattern[i % len(pattern)] for i in range(model_cfg.num_layers))
 
 
 def pipeline_shape(cfg: ConfigDict, stages: int) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""`python -m jaxllm.generate`: text from a checkpoint or a Hugging Face Llama directory.
+"""`python -m jaxllm.generate`: text from a checkpoint or a Hugging Face checkpoint directory.
 
     python -m jaxllm.generate (--checkpoint DIR | --hf DIR) (--prompt TEXT | --prompt_file PATH | --prompt_ids 1,2,3)
         --max_new_tokens N [--greedy | --temperature T --top_k K --top_p P] [--seed S]
@@ -34,7 +34,7 @@ from jaxllm.parallel.rules import derive
 
 _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'A jaxllm checkpoint directory (its '
                                   'newest step) or one step directory in it.')
-_HF = flags.DEFINE_string('hf', None, 'A Hugging Face Llama directory (config.json, '
+_HF = flags.DEFINE_string('hf', None, 'A Hugging Face checkpoint directory (config.json, '
                           'safetensors, and tokenizer.json for --prompt).')
 _PROMPT = flags.DEFINE_string('prompt', None, 'The prompt text.')
 _PROMPT_IDS = flags.DEFINE_string('prompt_ids', None, 'The prompt as comma-separated token ids.')
@@ -85,7 +85,7 @@ def parse_flags(argv: list[str]) -> Sampling:
     raise ConfigError(f'unexpected argument {rest[1]!r}; quote a --prompt with spaces.')
   if (_CHECKPOINT.value is None) == (_HF.value is None):
     raise ConfigError('give exactly one of --checkpoint DIR (a jaxllm checkpoint) and --hf DIR '
-                      '(a Hugging Face Llama directory).')
+                      '(a Hugging Face checkpoint directory).')
   if [_PROMPT.value, _PROMPT_IDS.value, _PROMPT_FILE.value].count(None) != 2:
     raise ConfigError('give exactly one of --prompt TEXT, --prompt_file PATH and '
                       '--prompt_ids 1,2,3.')
@@ -116,10 +116,10 @@ def open_checkpoint(path: str) -> Model:
 
 
 def load_hf(path: str, mesh: jax.sharding.Mesh) -> Model:
-  """A Hugging Face Llama directory, with its tokenizer.json if it has one."""
+  """A Hugging Face checkpoint directory, with its tokenizer.json if it has one."""
   if not os.path.isdir(path):
-    raise ConfigError(f'--hf={path!r} is not a directory; give a Hugging Face Llama directory '
-                      '(config.json and *.safetensors).')
+    raise ConfigError(f'--hf={path!r} is not a directory; give a Hugging Face checkpoint '
+                      'directory (config.json and *.safetensors).')
   from jaxllm import hf  # only this path needs the converter
   rules = default_config().sharding.rules
   model_cfg, params = hf.load(path, mesh, rules)

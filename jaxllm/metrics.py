@@ -12,7 +12,7 @@ import numpy as np
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
-from jaxllm.config import ConfigError, moe_layers
+from jaxllm.config import ConfigError, layer_types, moe_layers
 
 # Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s of one device, by a substring of its
 # `device_kind`, the first that matches: NVIDIA's datasheets for the H100 (SXM and PCIe), H200
@@ -34,7 +34,9 @@ def param_counts(m: ConfigDict) -> dict[str, int]:
   and its shared ones); 'embedding'; 'flops', the active ones the FLOPs count."""
   D, N, K, H, F, V, L = (m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim,
                          m.vocab_size, m.num_layers)
-  per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D
+  norms = 4 if m.post_norms else 2
+  per_layer = (D * (N + 2 * K) * H + N * H * D + 3 * D * F + norms * D
+               + (N + 2 * K) * H * m.qkv_bias + 2 * H * m.qk_norm)
   embedding = V * D
   head = 0 if m.tie_embeddings else D * V
   total = active = embedding + L * per_layer + D + head
@@ -49,15 +51,30 @@ def param_counts(m: ConfigDict) -> dict[str, int]:
           'flops': active if m.tie_embeddings else active - embedding}
 
 
-def flops_per_token(m: ConfigDict, seq_len: int) -> dict[str, float]:
-  """Training FLOPs per token, forward and backward: 6·N + 12·L·H·Q·T (PaLM appendix B).
+def attended_keys(m: ConfigDict, seq_len: int) -> dict[str, float]:
+  """Keys per query, summed over the layers: 'full' counts the T keys of a row (a sliding
+  layer's window where it is shorter), 'causal' those before the query, its own included
+  (averaged over a row's T positions; about T/2, or W − W²/2T under a window of W)."""
+  T, W = seq_len, m.sliding_window
+  keys = {'full': 0.0, 'causal': 0.0}
+  for kind in layer_types(m):
+    window = W if kind == 'sliding' and 0 < W < T else T
+    keys['full'] += window
+    keys['causal'] += (window * T - window**2 / 2) / T if window < T else T / 2
+  return keys
 
-  'causal' halves the attention term for the causal mask, as some projects report.
-  Rematerialisation is not counted (that would be hardware FLOPs, not model FLOPs).
+
+def flops_per_token(m: ConfigDict, seq_len: int) -> dict[str, float]:
+  """Training FLOPs per token, forward and backward: 6·N + 12·L·H·Q·T (PaLM appendix B),
+  with T a sliding layer's window where it is shorter than the row.
+
+  'causal' counts only the keys before each query (about half the row), as some projects
+  report. Rematerialisation is not counted (that would be hardware FLOPs, not model FLOPs).
   """
   dense = 6 * param_counts(m)['flops']
-  attention = 12 * m.num_layers * m.num_heads * m.head_dim * seq_len
-  return {'full': dense + attention, 'causal': dense + attention / 2}
+  keys = attended_keys(m, seq_len)
+  attention = lambda convention: 12 * m.num_heads * m.head_dim * keys[convention]
+  return {'full': dense + attention('full'), 'causal': dense + attention('causal')}
 
 
 def routing_row(steps: list[dict]) -> dict:

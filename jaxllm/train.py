@@ -133,7 +133,7 @@ def _initial_state(cfg: ConfigDict, mesh, layout: Layout, tx, pipeline: Pipeline
     if cfg.init_from:
       target = restore_target(abstract.params, shardings.params)
       biases = None  # the sigmoid routers': zeros unless the checkpoint has them
-      if cfg.init_from.startswith('hf:'):  # a Hugging Face Llama checkpoint directory
+      if cfg.init_from.startswith('hf:'):  # a Hugging Face checkpoint directory
         params = hf.load_params(cfg.init_from[len('hf:'):], target, cfg.model)
       else:
         params = restore_params(cfg.init_from, target, cfg.model)

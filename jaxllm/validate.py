@@ -10,9 +10,10 @@ import math
 from ml_collections import ConfigDict
 
 from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DISPATCHES, DTYPES,
-                           FP8_RECIPES, GATHER_MODES, MESH_AXES, ONE_F_ONE_B_SCHEDULES,
-                           PIPELINE_SCHEDULES, REMAT_POLICIES, ROUND_TRIP_SCHEDULES, ROUTERS,
-                           SCHEDULES, ZERO_STAGES, ConfigError, pipeline_shape, scan_units)
+                           FP8_RECIPES, GATHER_MODES, LAYER_TYPES, MESH_AXES, MLP_ACTIVATIONS,
+                           ONE_F_ONE_B_SCHEDULES, PIPELINE_SCHEDULES, REMAT_POLICIES,
+                           ROPE_SCALINGS, ROUND_TRIP_SCHEDULES, ROUTERS, SCHEDULES, ZERO_STAGES,
+                           ConfigError, layer_types, pipeline_shape, scan_units)
 from jaxllm.model import LOGICAL_SHAPES
 from jaxllm.model.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMULS
 from jaxllm.parallel.rules import batch_shards, collision, mesh_axes, parts
@@ -94,6 +95,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
     if not (math.isfinite(m[field]) and m[field] > 0):
       raise ConfigError(f'model.{field}={m[field]} must be a positive number.')
   _validate_rope_scaling(m.rope_scaling)
+  _validate_block_options(m)
   _validate_moe(cfg, mesh_shape)
   if m.loss_chunk < 0 or (m.loss_chunk and cfg.data.seq_len > m.loss_chunk and
                           cfg.data.seq_len % m.loss_chunk):
@@ -240,13 +242,17 @@ def _validate_optim(o: ConfigDict, train_steps: int) -> None:
 
 
 def _validate_rope_scaling(s: ConfigDict) -> None:
-  """Llama-3 frequency scaling, as transformers checks it: factor 0 turns it off, else
-  factor ≥ 1 and 0 < low_freq_factor < high_freq_factor (the blend divides by their gap)."""
+  """RoPE frequency scaling, as transformers checks it: factor 0 turns it off, else
+  factor ≥ 1 and, for Llama 3's, 0 < low_freq_factor < high_freq_factor (the blend divides by
+  their gap)."""
+  _choice(s.kind, 'model.rope_scaling.kind', ROPE_SCALINGS)
   if s.factor == 0:
     return
   if not (math.isfinite(s.factor) and s.factor >= 1):
     raise ConfigError(f'model.rope_scaling.factor={s.factor} must be at least 1 (how many times '
                       'original_max_position the context grows), or 0 for no scaling.')
+  if s.kind == 'linear':
+    return
   if not 0 < s.low_freq_factor < s.high_freq_factor < math.inf:
     raise ConfigError(f'model.rope_scaling.low_freq_factor={s.low_freq_factor} and '
                       f'high_freq_factor={s.high_freq_factor} must have 0 < low < high '
@@ -254,6 +260,33 @@ def _validate_rope_scaling(s: ConfigDict) -> None:
   if s.original_max_position < 1:
     raise ConfigError(f'model.rope_scaling.original_max_position={s.original_max_position} must '
                       'be the context length the model was trained for, e.g. 8192.')
+
+
+def _validate_block_options(m: ConfigDict) -> None:
+  """The fields other families set (model.qk_norm ... sliding_rope_theta): each in its range,
+  and a window exactly where some layer slides."""
+  _choice(m.mlp_activation, 'model.mlp_activation', MLP_ACTIVATIONS)
+  pattern = tuple(m.layer_types)
+  if not 1 <= len(pattern) <= m.num_layers or any(t not in LAYER_TYPES for t in pattern):
+    raise ConfigError(f'model.layer_types={pattern} must be 1 to model.num_layers={m.num_layers} '
+                      f"of {', '.join(LAYER_TYPES)}, repeated over the layers: e.g. ('sliding',) "
+                      "for every layer, or ('sliding',) * 5 + ('full',).")
+  sliding = 'sliding' in layer_types(m)
+  if m.sliding_window < 0 or (sliding and m.sliding_window == 0):
+    raise ConfigError(f'model.sliding_window={m.sliding_window}: the sliding layers of '
+                      f'model.layer_types={pattern} need the positions each query sees, itself '
+                      "included (e.g. 4096), or make every layer 'full'.")
+  if m.sliding_window and not sliding:
+    raise ConfigError(f'model.sliding_window={m.sliding_window} but no layer of '
+                      f"model.layer_types={pattern} is 'sliding'; set model.layer_types="
+                      "('sliding',) to window every layer, or model.sliding_window=0.")
+  for field in ('attention_scale', 'sliding_rope_theta'):
+    if not (math.isfinite(m[field]) and m[field] >= 0):
+      raise ConfigError(f'model.{field}={m[field]} must be a positive number, or 0 for the '
+                        'default.')
+  if m.sliding_rope_theta and not sliding:
+    raise ConfigError(f'model.sliding_rope_theta={m.sliding_rope_theta} but no layer of '
+                      f"model.layer_types={pattern} is 'sliding'; set it to 0.")
 
 
 def validate_distributed(d: ConfigDict) -> None:
@@ -361,6 +394,10 @@ def _validate_moe(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
     raise ConfigError(f'model.moe.experts={moe.experts} does not split over the {ep} '
                       f'expert-parallel devices (sharding.rules.experts={experts_axes}: {split}); '
                       f'make it a multiple of {ep}, or change the mesh or sharding.rules.experts.')
+  if len(set(layer_types(m))) > 1:  # the expert stacks carry no per-layer attention type
+    raise ConfigError(f'model.layer_types={tuple(m.layer_types)} mixes full and sliding layers, '
+                      f'which is not built for experts (model.moe.experts={moe.experts}); make '
+                      "every layer 'full', or every layer 'sliding' (a window everywhere).")
   if m.fp8 != 'none':
     raise ConfigError(f"model.fp8='{m.fp8}' is not built for experts (model.moe.experts="
                       f"{moe.experts}); use model.fp8='none'.")

@@ -31,6 +31,26 @@ PUBLISHED = {
 }
 
 
+# The other families' released checkpoints (their programs: docs/families.md's analyses).
+# Gemma 3 4B's is its language model, the vision tower aside.
+PUBLISHED_FAMILIES = {
+    'qwen3_8b': 8_190_735_360,
+    'qwen2_5_7b': 7_615_616_512,
+    'mistral_7b': 7_241_732_096,
+    'gemma3_4b': 3_880_263_168,
+}
+
+
+@pytest.mark.parametrize('name', PUBLISHED_FAMILIES)
+def test_family_shapes_have_the_released_parameter_counts(name):
+  cfg = load_config(os.path.join(REPO, 'configs', f'{name}.py'))
+  mesh = make_mesh(resolve_mesh(cfg.mesh, 1), jax.devices()[:1])
+  tx = make_optimizer(cfg.optim, cfg.train.steps)
+  _, abstract, _ = state_shapes(cfg.model, tx, mesh, cfg.sharding.rules)
+  assert sum(x.size for x in jax.tree.leaves(abstract.params)) == PUBLISHED_FAMILIES[name]
+  assert param_counts(cfg.model)['total'] == PUBLISHED_FAMILIES[name]
+
+
 @pytest.mark.parametrize('name', PUBLISHED)
 def test_published_shape_compiles_from_shapes_alone(name):
   cfg = load_config(os.path.join(REPO, 'configs', f'{name}.py'))

@@ -758,3 +758,29 @@ def test_fp8_is_predicted_faster_where_gemms_take_the_step(one_b_programs, monke
   assert fp8['gemm_s'] < 0.9 * bf16['gemm_s'] and fp8['memory_s'] > bf16['memory_s']
   assert r['fp8_speedup']['speedup'] > 1.03
   assert "FP8 (model.fp8='delayed') against bf16" in format_report(r)
+
+
+@pytest.mark.slow
+def test_sliding_and_full_layers_run_their_own_cudnn_kernels(h100s):
+  """Layers that differ (Gemma 3's options, sliding and full in turn, a window of 32 of the
+  128 positions) run a windowed and a full cuDNN flash kernel, each counted for the layers
+  that take it (its branch of the per-layer choice says how many), with the windowed one's
+  FLOPs over the window's band: W·T − W²/2 query-key pairs where causal attention has T²/2.
+  The report names the window."""
+  cfg = tiny(qk_norm=True, mlp_activation='gelu_tanh', norm_zero_centered=True, post_norms=True,
+             scale_embeddings=True, layer_types=('sliding', 'full'), sliding_window=32,
+             sliding_rope_theta=100.0)
+  compiled = compile_step(cfg, h100s)
+  kernels = {(k.target, k.window): k for k in hlo.fused_attention(compiled.text)}
+  assert set(kernels) == {(target, window) for window in (0, 32)
+                          for target in ('__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward')}
+  for k in kernels.values():
+    assert k.flash and k.mask == 'PADDING_CAUSAL' and k.count == 2 and k.length == 128
+  for target in ('__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'):
+    assert kernels[target, 32].flops == kernels[target, 0].flops * (32 * 128 - 32**2 / 2) / (
+        128**2 / 2)
+  text = format_report(report(compiled, H100))
+  assert re.search(r'__cudnn\$fmhaSoftmax +×2 +flash, mask PADDING_CAUSAL, window 32, ', text)
+  # The timing model runs each branch for its layers too, not the longer one for all four.
+  predicted = timing.step_time(compiled.text, H100.rates, 8, timing.node_crossing(8, 8))
+  assert sorted(k.count for k in predicted.kernels if k.category == 'attention') == [2] * 4

@@ -1,4 +1,5 @@
-"""Hugging Face Llama import and export, against transformers' LlamaForCausalLM."""
+"""Hugging Face Llama import and export, against transformers' LlamaForCausalLM (the other
+families: test_families)."""
 
 import json
 import os
@@ -275,8 +276,13 @@ def _drop_tensor(directory, name):
 BAD_INPUTS = {
     'no directory': (lambda d: shutil.rmtree(d), 'is not a directory'),
     'no config.json': (lambda d: os.remove(d / 'config.json'), r'config\.json does not exist'),
-    'not llama': (lambda d: _edit_config(d, model_type='gpt2', architectures=['GPT2LMHeadModel']),
-                      "model_type='gpt2'.* is not supported; jaxllm reads LlamaForCausalLM"),
+    'not a family': (lambda d: _edit_config(d, model_type='gpt2',
+                                            architectures=['GPT2LMHeadModel']),
+                     "model_type='gpt2'.* is not supported; jaxllm reads and writes "
+                     r'LlamaForCausalLM \(llama\), Qwen2ForCausalLM.*MixtralForCausalLM '
+                     r'\(mixtral\), Qwen3MoeForCausalLM \(qwen3_moe\)'),
+    'soft-capping': (lambda d: _edit_config(d, final_logit_softcapping=30.0),
+                     r'final_logit_softcapping=30\.0 is not supported'),
     'no weights': (lambda d: os.remove(d / 'model.safetensors'), r'holds no \*\.safetensors'),
     'missing tensor': (lambda d: _drop_tensor(d, 'model.layers.1.mlp.up_proj.weight'),
                        "tensor 'model.layers.1.mlp.up_proj.weight' is missing"),

@@ -427,6 +427,10 @@ BAD_INPUT = {  # moe fields, mesh and rules changes, the start of the one line i
                     "pipeline.schedule='1f1b' is not built for experts"),
     'first_dense_in_a_pipeline': (dict(first_dense=2), dict(pipe=2),
                                   'model.moe.first_dense=2 is not built for pipelines'),
+    'mixed_layer_types': (dict(), dict(model=dict(layer_types=('sliding', 'full'),
+                                                  sliding_window=4)),
+                          "model.layer_types=('sliding', 'full') mixes full and sliding layers, "
+                          'which is not built for experts (model.moe.experts=8)'),
 }
 
 
@@ -443,6 +447,31 @@ def test_bad_expert_settings_are_one_line(moe, changes, message):
     validate(cfg, {a: cfg.mesh[a] for a in ONE_DEVICE})
   assert str(error.value).startswith(message), str(error.value)
   assert '\n' not in str(error.value)
+
+
+@pytest.mark.slow
+def test_experts_with_every_layer_sliding_see_only_the_window(one_device):
+  """Experts with model.layer_types=('sliding',) (what validate allows with experts), in a
+  group of a dense block and an MoE one (model.moe.every=2): a window of 2 in each of the 2
+  layers lets position t see tokens t-2 on at most, so changing the first token changes the
+  logits at positions 0 to 2 and none after; with full attention (the reference that the
+  window is what cuts them) it changes them all."""
+  from conftest import small_config
+  tokens_BT = jnp.asarray(np.random.default_rng(0).integers(1, 64, (1, 8)), jnp.int32)
+  both_BT = jnp.concatenate([tokens_BT, tokens_BT.at[0, 0].set(0)])
+
+  def moved(**window):
+    cfg = model_config(every=2, capacity_factor=0.0)  # dropless: no token moves another
+    cfg.update(window)
+    run_cfg = small_config()
+    run_cfg.model = cfg
+    validate(run_cfg, ONE_DEVICE)
+    logits_BTV = jax.jit(Transformer(FrozenConfigDict(cfg), rngs=nnx.Rngs(0)))(both_BT)
+    return np.abs(np.asarray(logits_BTV[0] - logits_BTV[1])).max(axis=-1)
+
+  sliding_T = moved(layer_types=('sliding',), sliding_window=2)
+  assert (sliding_T[:3] > 1e-6).all() and (sliding_T[3:] == 0).all(), sliding_T
+  assert (moved()[3:] > 1e-6).all()
 
 
 @pytest.mark.slow

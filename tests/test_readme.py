@@ -33,15 +33,17 @@ import numpy as np
 import pytest
 import torch
 from ml_collections import ConfigDict
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from conftest import REPO, once_per_run, paired_leaves, run_dir, run_main
 from test_chat import tokenizer_dir  # noqa: F401  (a fixture: a BPE tokenizer with a chat template)
+from test_families import FAMILIES, family_model
 from jaxllm import backends
 from jaxllm.cost.hardware import PROFILES
 from test_hf import RULES, hf_logits, mesh_of, our_logits, save_hf_model
 
 README = os.path.join(REPO, 'README.md')
+FAMILIES_DOC = os.path.join(REPO, 'docs', 'families.md')
 TIMEOUT = 600
 # Overrides that only shorten a run: the only flags appended to a README command. A run
 # shorter than its warmup warms up over the run with a note; a shortened run's warmup is cut
@@ -65,9 +67,9 @@ class Block:
   lines: tuple[str, ...]
 
 
-def readme_blocks() -> list[Block]:
+def readme_blocks(path: str = README) -> list[Block]:
   blocks, opened = [], None
-  with open(README) as f:
+  with open(path) as f:
     for number, line in enumerate(f.read().splitlines(), 1):
       if line.lstrip().startswith('```'):
         if opened is None:
@@ -77,7 +79,7 @@ def readme_blocks() -> list[Block]:
           opened = None
       elif opened is not None:
         opened[2].append(line)
-  assert opened is None, f'README.md:{opened[0]}: a code block is never closed'
+  assert opened is None, f'{path}:{opened[0]}: a code block is never closed'
   return blocks
 
 
@@ -114,10 +116,11 @@ def block_key(block: Block) -> str:
   return f'{block.lang or "text"}: {" ".join(first.split())}'
 
 
-def readme_items() -> list[tuple[int, str]]:
-  """(line, key) of everything in README.md's code blocks that `TABLE` must account for."""
+def readme_items(path: str = README) -> list[tuple[int, str]]:
+  """(line, key) of everything in a markdown file's code blocks (README.md's by default) that
+  its table (`TABLE`, `FAMILIES_DOC_TABLE`) must account for."""
   items = []
-  for block in readme_blocks():
+  for block in readme_blocks(path):
     if block.lang in SHELL:
       items += block_commands(block)
     else:
@@ -289,6 +292,25 @@ def test_every_readme_code_block_is_in_the_table():
       assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
 
 
+# docs/families.md, tested the same way.
+FAMILY_CONFIGS = ('qwen3_8b', 'qwen2_5_7b', 'mistral_7b', 'gemma3_4b')
+FAMILIES_ANALYZED = 'test_the_families_are_analysed_as_their_doc_says'
+FAMILIES_DOC_TABLE = {
+    f'python -m jaxllm.analyze --config configs/{name}.py --config.mesh.fsdp=8':
+        run_by(FAMILIES_ANALYZED) for name in FAMILY_CONFIGS}
+
+
+def test_every_families_doc_code_block_is_in_its_table():
+  items = readme_items(FAMILIES_DOC)
+  assert sorted(key for _, key in items) == sorted(FAMILIES_DOC_TABLE), (
+      'code blocks of docs/families.md and FAMILIES_DOC_TABLE differ: run a new one in '
+      'tests/test_readme.py and add it to the table')
+  for key, how in FAMILIES_DOC_TABLE.items():
+    assert how.tests or how.note, f'{key}: neither run nor said why not'
+    for test in how.tests:
+      assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
+
+
 # ----------------------------------------------------------------------------- running
 
 def bracket_free(text: str) -> str:
@@ -380,27 +402,44 @@ def assert_overrides_in_config_json(words, workdir, shortened):
 @pytest.fixture(scope='module')
 def hf_checkpoint(tokenizer_dir):  # noqa: F811
   """/models/Llama-3.2-1B(-Instruct) here: a tiny random LlamaForCausalLM saved in bfloat16 by
-  transformers, as Llamas are released, with a tokenizer.json and a tokenizer_config.json that
-  holds a chat template (test_chat's), its vocabulary the tokenizer's. Made once per test run
-  (tests only read it)."""
+  transformers, as Llamas are released, with a tokenizer (`save_with_tokenizer`). Made once per
+  test run (tests only read it)."""
   return once_per_run('hf_checkpoint', lambda: save_hf_llama(tokenizer_dir))
 
 
 def save_hf_llama(tokenizer_dir):
-  from tokenizers import Tokenizer
   root = pathlib.Path(run_dir('hf_llama'))
+  return save_with_tokenizer(save_hf_model(root), root, tokenizer_dir)
+
+
+def save_with_tokenizer(model, root, tokenizer_dir):  # noqa: F811
+  """`model` saved in bfloat16, as checkpoints are released, with tokenizer_dir's
+  tokenizer.json and tokenizer_config.json (a chat template: test_chat's), its vocabulary and
+  special ids the tokenizer's."""
+  from tokenizers import Tokenizer
   tokenizer = Tokenizer.from_file(str(tokenizer_dir / 'tokenizer.json'))
-  model = save_hf_model(root, dtype=torch.bfloat16)
   model.resize_token_embeddings(tokenizer.get_vocab_size(), mean_resizing=False)
   config = json.loads((tokenizer_dir / 'tokenizer_config.json').read_text())
   for holder in (model.config, model.generation_config):
     holder.bos_token_id = tokenizer.token_to_id(config['bos_token'])
     holder.eos_token_id = tokenizer.token_to_id(config['eos_token'])
-  model.save_pretrained(root)
+  model.to(torch.bfloat16).save_pretrained(root)
   for name in ('tokenizer.json', 'tokenizer_config.json'):
     (root / name).write_text((tokenizer_dir / name).read_text())
   assert json.loads((root / 'config.json').read_text())['vocab_size'] == tokenizer.get_vocab_size()
   return root
+
+
+@pytest.fixture(scope='module')
+def family_checkpoints(tokenizer_dir, hf_checkpoint):  # noqa: F811
+  """The README's Hugging Face directory for each family: the Llama of `hf_checkpoint`, or a
+  tiny random model of another family (test_families') saved the same way, once per run."""
+  def save(family):
+    root = pathlib.Path(run_dir(f'hf_{family}'))
+    return save_with_tokenizer(family_model(family), root, tokenizer_dir)
+
+  return lambda family: (hf_checkpoint if family == 'llama' else
+                         once_per_run(f'hf_{family}', lambda: save(family)))
 
 
 @pytest.fixture(scope='session')
@@ -425,22 +464,24 @@ def restored_params(checkpoints):
   return cfg.model, restore_params(str(checkpoints), target, cfg.model, 'checkpoints')
 
 
-def assert_export_is_the_checkpoint(checkpoints, out, dtype: str):
+def assert_export_is_the_checkpoint(checkpoints, out, dtype: str, family: str = 'llama'):
   """The export holds the checkpoint's parameters in `dtype`, tensor by tensor under the same
-  names, and transformers' LlamaForCausalLM reads it (no tensor missing or left over) and
-  computes jaxllm's logits from them."""
+  names, and transformers reads it as the family's causal LM (no tensor missing or left over)
+  and computes jaxllm's logits from them."""
   from jaxllm import hf
   model_cfg, params = restored_params(checkpoints)
   config = json.loads((out / 'config.json').read_text())
-  assert config['torch_dtype'] == dtype and config['architectures'] == ['LlamaForCausalLM']
+  architecture = (FAMILIES[family][1] if family != 'llama' else LlamaForCausalLM).__name__
+  assert config['torch_dtype'] == dtype and config['architectures'] == [architecture]
   stored = jax.tree.map(lambda p: np.asarray(jnp.asarray(p).astype(dtype)), params)
   _, exported = hf.load(str(out), mesh_of(), RULES)
   for got, want in paired_leaves(exported, stored):
     assert got.dtype == want.dtype == np.dtype(jnp.dtype(dtype))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
-  reference, info = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                     output_loading_info=True)
+  reference, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                         output_loading_info=True)
+  assert type(reference).__name__ == architecture
   assert not any(info.values()), info
   fp32 = ConfigDict(model_cfg)
   fp32.update(dtype='float32', attention='xla')
@@ -574,13 +615,22 @@ def recipe_config(directory, checkpoint) -> str:
   return 'hf_recipe.py'
 
 
-@pytest.mark.parametrize('devices', [[], ['--config.cpu_devices=8']], ids=['default', 'cpu8'])
-def test_the_hugging_face_recipe_fine_tunes_and_exports(devices, hf_checkpoint, corpus, tmp_path):
+# The recipe from each family's checkpoint; the Llama's on 8 simulated devices as well.
+RECIPE_RUNS = [pytest.param('llama', [], id='llama'),
+               pytest.param('llama', ['--config.cpu_devices=8'], id='llama_cpu8'),
+               *(pytest.param(f, [], id=f, marks=pytest.mark.slow) for f in FAMILIES)]
+
+
+@pytest.mark.parametrize('family, devices', RECIPE_RUNS)
+def test_the_hugging_face_recipe_fine_tunes_and_exports(family, devices, family_checkpoints,
+                                                        corpus, tmp_path):
   """`python -m jaxllm.train --config hf_recipe.py` with the data path a user must give, two
-  steps (and once on 8 simulated devices); then the README's export of its checkpoints, which
-  transformers loads. The recipe's default devices are a fresh process's: one CPU."""
+  steps, from a checkpoint of each family (and the Llama's once on 8 simulated devices); then
+  the README's export of its checkpoints, which transformers loads as that family. The
+  recipe's default devices are a fresh process's: one CPU."""
   cwd = tmp_path
   readme_cwd(cwd)
+  hf_checkpoint = family_checkpoints(family)
   config = recipe_config(cwd, hf_checkpoint)
   result = run(['python', '-m', 'jaxllm.train', '--config', config, f'--config.data.path={corpus}',
                 *steps(2), *devices], cwd, fresh=not devices)
@@ -592,7 +642,7 @@ def test_the_hugging_face_recipe_fine_tunes_and_exports(devices, hf_checkpoint, 
   assert (saved['model']['dtype'], saved['model']['param_dtype']) == ('bfloat16', 'float32')
 
   run_readme(EXPORT, cwd, subs=[('runs/X/', 'runs/hf_recipe/'), ('DIR', 'exported')])
-  assert_export_is_the_checkpoint(workdir / 'checkpoints', cwd / 'exported', 'bfloat16')
+  assert_export_is_the_checkpoint(workdir / 'checkpoints', cwd / 'exported', 'bfloat16', family)
 
 
 def test_chat_fine_tunes_a_hugging_face_checkpoint(hf_checkpoint, tmp_path):
@@ -622,9 +672,12 @@ def test_chat_fine_tunes_a_hugging_face_checkpoint(hf_checkpoint, tmp_path):
   assert os.listdir(workdir / 'checkpoints') == ['2']
 
 
-def test_generate_from_a_hugging_face_checkpoint(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize('family', [
+    'llama', *(pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES)])
+def test_generate_from_a_hugging_face_checkpoint(family, family_checkpoints, tmp_path):
   cwd = readme_cwd(tmp_path)
-  out = run_readme(GENERATE_FROM_HF, cwd, subs=[('/models/Llama-3.2-1B', hf_checkpoint)]).stdout
+  out = run_readme(GENERATE_FROM_HF, cwd,
+                   subs=[('/models/Llama-3.2-1B', family_checkpoints(family))]).stdout
   assert out.startswith('The mesh'), out
 
 
@@ -716,3 +769,33 @@ def test_analyze_and_tune_as_printed(key, tmp_path):
     assert re.search(rf'^  {part} +[\d,.]+ ms +[\d.]+%', out, re.M), (part, out)
   assert len(re.findall(r'^ +[\d,.]+ ms +[\d.]+%  ×\d+ +(gemm|attention|memory|collective) ',
                         out, re.M)) == 10, out
+
+
+def families_doc_row(config: str) -> list[str]:
+  """The cells of docs/families.md's table row for `configs/<config>.py`."""
+  with open(FAMILIES_DOC) as f:
+    [row] = [line for line in f if line.startswith(f'| `{config}.py`')]
+  return [cell.strip() for cell in row.strip().strip('|').split('|')]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('key', list(FAMILIES_DOC_TABLE))
+def test_the_families_are_analysed_as_their_doc_says(key, tmp_path):
+  """Each family's config analysed for 8 H100s as docs/families.md prints it: its table row's
+  parameters and attention kernels (each forward and backward, windowed or full, counted for
+  the layers that run it) exactly, its peak memory and predicted step within 10% (a figure of
+  the compiler of its day)."""
+  assert key in {k for _, k in readme_items(FAMILIES_DOC)}
+  out = run(shlex.split(key), readme_cwd(tmp_path)).stdout
+  config = re.search(r'configs/(\w+)\.py', key).group(1)
+  _, params, peak, kernels, step, *_ = families_doc_row(config)
+  assert f'params   {params} total' in out, out
+  figure = lambda pattern: float(re.search(pattern, out, re.M).group(1).replace(',', ''))
+  assert figure(r'^  peak +([\d.]+) GiB') == pytest.approx(float(peak.split()[0]), rel=0.1)
+  assert figure(r'^predicted on h100-nvlink: step ([\d,.]+) ms') == pytest.approx(
+      float(step.split()[0].replace(',', '')), rel=0.1)
+  for forward, backward, kind in re.findall(r'(\d+) \+ (\d+) (window \d+|full)', kernels):
+    window = f', {kind}' if kind != 'full' else ''
+    for target, count in (('fmhaSoftmax', forward), ('fmhaSoftmaxBackward', backward)):
+      assert re.search(rf'^  __cudnn\${target} +×{count} +flash, mask CAUSAL{window}, ', out,
+                       re.M), (target, count, kind, out)

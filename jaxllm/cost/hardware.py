@@ -219,9 +219,15 @@ class KernelRates:
     share = (1 - t) * self.memory_curve[i - 1][1] + t * self.memory_curve[i][1]
     return moved / (share * self.memory_bandwidth)
 
-  def attention_rate(self, backward: bool, head_dim: int, length: int, causal: bool) -> float:
+  def attention_rate(self, backward: bool, head_dim: int, length: int, causal: bool,
+                     window: int = 0) -> float:
     """FLOP/s of a cuDNN flash attention pass (head dims above 64 take the 128 row), from the
-    profile's cuDNN series at its clocks."""
+    profile's cuDNN series at its clocks. A causal pass with a sliding window of W keys does
+    per query block the work of a causal pass of length 2W (W keys each, where the causal
+    pass averages half its length): it is taken at that length's rate (an assumption; no
+    measurement of windowed kernels is published)."""
+    if causal and window:
+      length = min(length, 2 * window)
     series = ATTENTION[self.cudnn]
     rates = series.rates['backward' if backward else 'forward', 64 if head_dim <= 64 else 128,
                          causal]

@@ -158,28 +158,53 @@ def _tuple_elements(shape: str) -> list[str]:
   return [re.sub(r'/\*.*?\*/', '', p).strip() for p in parts if p.strip()]
 
 
-def call_counts(computations, entry: str) -> dict[str, int]:
-  """How many times each computation runs per execution of the entry: while bodies times
-  their known trip count, everything else once per call site."""
-  counts: dict[str, int] = {}
+# A conditional's branch that says how often it runs: JAX code names it with a scope ending in
+# `_runs_N_of_M` (jax.named_scope), which its ops' op_name carries: it runs N of every M
+# executions of the conditional (the attention of layer scans whose layers differ,
+# `jaxllm.model.attention.per_layer_window`).
+BRANCH_SHARE = re.compile(r'_runs_(\d+)_of_(\d+)/')
 
-  def visit(name: str, times: int):
+
+def branch_shares(computations, inst: Instruction) -> list[tuple[str, float]]:
+  """(computation, share of the executions it runs) of each branch of conditional `inst`: the
+  shares its branches' op names declare (`BRANCH_SHARE`), where every branch declares one;
+  else 1 each, every branch counted as if it always ran (an upper bound)."""
+  names = re.findall(r'(?:true_computation|false_computation)=%?([\w.\-]+)', inst.attrs)
+  branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
+  names += re.findall(r'%?([\w.\-]+)', branches.group(1)) if branches else []
+  declared = []
+  for name in names:
+    found = next((m for i in computations.get(name, {}).values()
+                  if (m := BRANCH_SHARE.search(i.attrs))), None)
+    declared.append(int(found.group(1)) / int(found.group(2)) if found else None)
+  if None in declared:
+    return [(name, 1.0) for name in names]
+  return list(zip(names, declared))
+
+
+def call_counts(computations, entry: str) -> dict[str, float]:
+  """How many times each computation runs per execution of the entry: while bodies times
+  their known trip count, a conditional's branches the share they declare
+  (`branch_shares`), everything else once per call site."""
+  counts: dict[str, float] = {}
+
+  def visit(name: str, times: float):
     counts[name] = counts.get(name, 0) + times
     for inst in computations.get(name, {}).values():
       trips = 1
       if inst.opcode == 'while':
         n = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
         trips = int(n.group(1)) if n else 1
-      for key, callee in re.findall(
-          r'(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)',
-          inst.attrs):
+      for key, callee in re.findall(r'(body|condition|calls|to_apply)=%?([\w.\-]+)',
+                                    inst.attrs):
         # Reductions' little adders hold nothing of interest; an asynchronous op's wrapped
         # computation runs once, for its start (its done may name it too).
         if key != 'to_apply' and inst.opcode not in ('async-update', 'async-done'):
           visit(callee, times * (trips if key in ('body', 'condition') else 1))
-      branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
-      for callee in re.findall(r'%?([\w.\-]+)', branches.group(1)) if branches else ():
-        visit(callee, times)
+      if inst.opcode == 'conditional':
+        for callee, share in branch_shares(computations, inst):
+          runs = times * share
+          visit(callee, int(runs) if float(runs).is_integer() else runs)
 
   visit(entry, 1)
   return counts
@@ -521,6 +546,7 @@ class FusedAttention:
   segments: int = 1    # spans of each row it attends within (cuDNN's packed layout when > 1)
   length: int = 0      # queries per sequence (T)
   head_dim: int = 0    # H
+  window: int = 0      # keys a query sees, its own included, under a sliding window (0: none)
 
   @property
   def backward(self) -> bool:
@@ -543,7 +569,9 @@ def attention_kernel(inst: Instruction, count: int, recomputed: str | None) -> F
   """A cuDNN attention call as a kernel. FLOPs are counted from the shapes (the kernels
   report none): 4·B·N·T·S·H forward (Q·Kᵀ and P·V), 10·B·N·T·S·H backward (Q·Kᵀ again and
   four gradient matmuls), halved under a causal mask, whose upper triangle the kernel skips;
-  packed rows count as one sequence each, an upper bound on their documents' work."""
+  under a causal mask with a sliding window of W < T keys, T·S is the band's W·T − W²/2
+  query-key pairs. Packed rows count as one sequence each, an upper bound on their
+  documents' work."""
   config = inst.attrs.replace(' ', '')  # the backend config's JSON, spaces dropped
   scores = re.search(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":'
                      r'\[([^\]]*)\]', config)
@@ -555,13 +583,19 @@ def attention_kernel(inst: Instruction, count: int, recomputed: str | None) -> F
   bias = next((f'{t}[{",".join(map(str, d))}]' for t, d in operands[3:]
                if dims and len(d) == len(dims) and d[-2:] == tuple(dims[-2:])), None)
   segments = re.search(r'"max_seg_per_batch":(\d+)', config)
+  window = re.search(r'"sliding_window_length":(\d+)', config)
   kernel = FusedAttention(ATTENTION_TARGET.search(inst.attrs).group(1), count,
                           '"is_flash_attention":true' in config, mask, bias, recomputed, 0.0,
                           int(segments.group(1)) if segments else 1)
+  kernel.window = int(window.group(1)) if window else 0
   if dims and operands:  # [B, N, T, S] scores, each of head dim H (q's last)
     kernel.length, kernel.head_dim = dims[-2], operands[0][1][-1]
-    kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims) * operands[0][1][-1]
-                    * (0.5 if 'CAUSAL' in mask else 1.0))
+    T, S = dims[-2:]
+    pairs = T * S * (0.5 if 'CAUSAL' in mask else 1.0)
+    if 'CAUSAL' in mask and 0 < kernel.window < T:
+      pairs = kernel.window * T - kernel.window**2 / 2
+    kernel.flops = ((10 if kernel.backward else 4) * math.prod(dims[:-2]) * pairs
+                    * operands[0][1][-1])
   return kernel
 
 

@@ -78,18 +78,18 @@ def memory(c: Compiled) -> dict[str, float]:
 
 
 def attention(c: Compiled) -> dict:
-  """How attention runs in the program: cuDNN's fused kernels (with their masks, any bias
-  operand, FLOPs from shapes, and apart the forwards rerun in the backward), or XLA's ops,
-  which hold the [B, N, T, S] scores."""
+  """How attention runs in the program: cuDNN's fused kernels (with their masks and sliding
+  windows, any bias operand, FLOPs from shapes, and apart the forwards rerun in the
+  backward), or XLA's ops, which hold the [B, N, T, S] scores."""
   kernels = collections.defaultdict(lambda: {'count': 0, 'flops': 0.0})
   for k in hlo.fused_attention(c.text):
-    row = kernels[(k.target, k.flash, k.mask, k.bias, k.recomputed_by)]
+    row = kernels[(k.target, k.flash, k.mask, k.window, k.bias, k.recomputed_by)]
     row['count'] += k.count
     row['flops'] += k.count * k.flops
-  rows = sorted(kernels.items(), key=lambda kv: kv[0][4] is not None)  # reruns last
+  rows = sorted(kernels.items(), key=lambda kv: kv[0][5] is not None)  # reruns last
   return {'implementation': c.cfg.model.attention,
-          'kernels': [{'target': t, 'flash': f, 'mask': m, 'bias': b, 'recomputed_by': r, **v}
-                      for (t, f, m, b, r), v in rows],
+          'kernels': [{'target': t, 'flash': f, 'mask': m, 'window': w, 'bias': b,
+                       'recomputed_by': r, **v} for (t, f, m, w, b, r), v in rows],
           'flops_per_device': sum(v['flops'] for v in kernels.values())}
 
 
@@ -349,8 +349,9 @@ def attention_lines(a: dict) -> list[str]:
   for k in a['kernels']:
     bias = f', bias operand {k["bias"]}' if k['bias'] else ''
     rerun = f' (recomputed by {k["recomputed_by"]})' if k['recomputed_by'] else ''
+    window = f', window {k["window"]}' if k['window'] else ''
     lines.append(f'  {k["target"]:36} ×{k["count"]:<5,} {"flash" if k["flash"] else "not flash"}'
-                 f', mask {k["mask"]}{bias}, {k["flops"] / 1e12:,.3f} TFLOP{rerun}')
+                 f', mask {k["mask"]}{window}{bias}, {k["flops"] / 1e12:,.3f} TFLOP{rerun}')
   return lines
 
 

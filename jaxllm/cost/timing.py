@@ -209,7 +209,8 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction,
     attention = hlo.attention_kernel(inst, 1, None)
     kernel.category, kernel.flops = 'attention', attention.flops
     kernel.seconds = attention.flops / rates.attention_rate(
-        attention.backward, attention.head_dim, attention.length, 'CAUSAL' in attention.mask)
+        attention.backward, attention.head_dim, attention.length, 'CAUSAL' in attention.mask,
+        attention.window)
     return kernel
   if inst.opcode == 'fusion':
     dots = [hlo.gemm_shape(body, dot) for body, dot in _dots_in(computations, hlo.called(inst))]
@@ -405,35 +406,39 @@ class Simulator:
     return carried
 
   def call(self, inst: hlo.Instruction, streams: Streams, arguments: list, times: int):
-    """A call runs its computation on its operands; a conditional, the branch that takes
-    longest, on the operand that branch takes (the first operand picks the branch)."""
-    branches = re.search(r'branch_computations=\{([^}]*)\}', inst.attrs)
+    """A call runs its computation on its operands. A conditional runs each branch on the
+    operand that branch takes (the first operand picks the branch) for the share of its
+    executions the branch declares (`hlo.branch_shares`), taking that share of its time;
+    where they declare none, the branch that takes longest."""
     if inst.opcode == 'call':
-      names = [(re.search(r'to_apply=%?([\w.\-]+)', inst.attrs).group(1), arguments)]
-    elif branches:
-      names = [(name, arguments[i + 1:i + 2])
-               for i, name in enumerate(re.findall(r'%?([\w.\-]+)', branches.group(1)))]
-    else:
-      names = [(re.search(rf'{side}_computation=%?([\w.\-]+)', inst.attrs).group(1),
-                arguments[i + 1:i + 2]) for i, side in enumerate(('true', 'false'))]
-    best = None
-    for name, branch_arguments in names:
+      name = re.search(r'to_apply=%?([\w.\-]+)', inst.attrs).group(1)
+      return self.run(name, streams, arguments, times)
+    trials = []
+    for i, (name, share) in enumerate(hlo.branch_shares(self.computations, inst)):
       trial = streams.copy()
       saved = self.tally, self.slowed, self.host_waits
       self.tally, self.slowed, self.host_waits = collections.Counter(), collections.Counter(), 0.0
-      carried = self.run(name, trial, branch_arguments, times)
-      outcome = trial, self.tally, self.slowed, self.host_waits, carried
+      carried = self.run(name, trial, arguments[i + 1:i + 2], times * share)
+      trials.append((trial, self.tally, self.slowed, self.host_waits, carried, share))
       self.tally, self.slowed, self.host_waits = saved
-      if best is None or trial.compute > best[0].compute:
-        best = outcome
-    if best is None:
+    if not trials:
       return None
-    trial, tally, slowed, host_waits, carried = best
-    streams.compute, streams.comm, streams.host = trial.compute, trial.comm, trial.host
-    streams.pending = trial.pending
-    self.tally.update(tally)
-    self.slowed.update(slowed)
-    self.host_waits += host_waits
+    longest = max(trials, key=lambda t: t[0].compute)
+    chosen = [longest] if all(t[-1] == 1 for t in trials) else trials
+    if len(chosen) == 1:
+      trial = longest[0]
+      streams.compute, streams.comm, streams.host = trial.compute, trial.comm, trial.host
+    else:
+      start = (streams.compute, streams.comm, streams.host)
+      streams.compute += sum(t[-1] * (t[0].compute - start[0]) for t in trials)
+      streams.comm += sum(t[-1] * (t[0].comm - start[1]) for t in trials)
+      streams.host += sum(t[-1] * (t[0].host - start[2]) for t in trials)
+    streams.pending = longest[0].pending
+    for _, tally, slowed, host_waits, _, _ in chosen:
+      self.tally.update(tally)
+      self.slowed.update(slowed)
+      self.host_waits += host_waits
+    return longest[4]
     return carried
 
 
@@ -481,7 +486,7 @@ LABELS = {'gemm': 'GEMMs', 'attention': 'attention', 'memory': 'memory-bound',
 def summary(t: Timing, top: int = 10) -> dict:
   """A timing as a JSON-ready dict: the step, its categories (`<category>_s`), the
   collectives' total and hidden time, kernel launches, and the `top` kernels."""
-  launches = sum(k.count for k in t.kernels if k.category != 'collective')
+  launches = round(sum(k.count for k in t.kernels if k.category != 'collective'))
   return {'step_s': t.step_s, **{f'{c}_s': t.by_category[c] for c in CATEGORIES},
           'comm_s': t.comm_s, 'hidden_comm_s': t.hidden_comm_s, 'kernel_launches': launches,
           'top_kernels': [{'name': k.name, 'op': k.op, 'category': k.category, 'count': k.count,

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints: import into jaxllm's sharded layout, and export back.
+"""Hugging Face checkpoints (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3): import into jaxllm's
+sharded layout, and export back.
 
 `config` maps config.json to the model section and back, `layout` says where each parameter
 lives in the checkpoint's tensors, `load` reads them onto the mesh, `export` writes them;

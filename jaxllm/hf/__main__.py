@@ -12,8 +12,9 @@ from jaxllm.hf.export import export_checkpoint
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(prog='python -m jaxllm.hf',
-                                   description='Hugging Face Llama checkpoints.')
+  parser = argparse.ArgumentParser(
+      prog='python -m jaxllm.hf',
+      description='Hugging Face checkpoints (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3).')
   commands = parser.add_subparsers(dest='command', required=True)
   export_cmd = commands.add_parser('export', help='a jaxllm checkpoint → a HF checkpoint dir')
   export_cmd.add_argument('--checkpoint', required=True,

@@ -28,8 +28,9 @@ from jaxllm.config import ConfigError
 @dataclasses.dataclass(frozen=True)
 class ExpertNames:
   """Where a family keeps a layer's router and experts: per-expert tensors under `module`
-  ('{expert}' standing for the expert's index), fused ones under `fused_module`."""
-  architecture: str
+  ('{expert}' standing for the expert's index), fused ones under `fused_module`; and the
+  family (`families.FAMILIES`) whose block it has around them."""
+  block_family: str
   module: str              # 'block_sparse_moe' or 'mlp'
   gate: str                # the per-expert gate, up and down projections' names
   up: str
@@ -38,8 +39,8 @@ class ExpertNames:
 
 
 EXPERT_FAMILIES = {
-    'mixtral': ExpertNames('MixtralForCausalLM', 'block_sparse_moe', 'w1', 'w3', 'w2'),
-    'qwen3_moe': ExpertNames('Qwen3MoeForCausalLM', 'mlp', 'gate_proj', 'up_proj', 'down_proj'),
+    'mixtral': ExpertNames('llama', 'block_sparse_moe', 'w1', 'w3', 'w2'),
+    'qwen3_moe': ExpertNames('qwen3', 'mlp', 'gate_proj', 'up_proj', 'down_proj'),
 }
 
 
@@ -119,7 +120,7 @@ def moe_json(m: ConfigDict, kind: str) -> dict:
   moe = m.moe
   return dict(num_local_experts=moe.experts, num_experts_per_tok=moe.top_k,
               router_aux_loss_coef=moe.aux_loss, output_router_logits=False,
-              router_jitter_noise=0.0, sliding_window=None)
+              router_jitter_noise=0.0, **({'sliding_window': None} if kind == 'mixtral' else {}))
 
 
 def check_experts_supported(hf: dict, kind: str, where: str) -> None:

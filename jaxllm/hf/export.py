@@ -1,5 +1,5 @@
-"""Writing parameters as a Hugging Face Llama (with experts, Mixtral) checkpoint that
-`from_pretrained` loads."""
+"""Writing parameters as a Hugging Face checkpoint (Llama, Qwen2/2.5, Qwen3, Mistral or Gemma 3;
+with experts, Mixtral or Qwen3-MoE) that `from_pretrained` loads."""
 
 from __future__ import annotations
 
@@ -60,10 +60,10 @@ def _shard_groups(entries, itemsize: int, max_shard_bytes: int) -> list[list]:
 def export(params, model_cfg: ConfigDict, out_dir: str, dtype: str, vocabulary: Vocabulary,
            max_shard_bytes: int = 5 * 10**9) -> None:
   """Writes `params` (layer order, as checkpoints and `load` hold them) as a Hugging Face
-  LlamaForCausalLM (with experts, MixtralForCausalLM: `jaxllm.hf.experts`) in `dtype`:
-  config.json and model.safetensors, or numbered files with an index when they are larger
-  than `max_shard_bytes`. A model no architecture computes is refused before anything is
-  written."""
+  causal LM of the model's family (`jaxllm.hf.families.family_of`; with experts,
+  `jaxllm.hf.experts`) in `dtype`: config.json and model.safetensors, or numbered files with an
+  index when they are larger than `max_shard_bytes`. A model no family computes is refused
+  before anything is written."""
   config = hf_config(model_cfg, dtype, vocabulary)
   if glob.glob(os.path.join(out_dir, '*.safetensors')):
     raise ConfigError(f'{out_dir} already holds *.safetensors files; export into an empty or '

@@ -1,5 +1,5 @@
-"""Where each jaxllm parameter lives in a Hugging Face Llama (or Mixtral, Qwen3-MoE)
-checkpoint's tensors.
+"""Where each jaxllm parameter lives in a Hugging Face checkpoint's tensors (Llama's names, those
+the other families add, and Mixtral's or Qwen3-MoE's experts).
 
 The two layouts differ only in how tensors are arranged: torch `Linear` weights are [out, in]
 with the heads flattened, ours are [in, out] with heads as their own axis and the layers
@@ -82,9 +82,10 @@ class Layout:
 
 def layouts(model_cfg: ConfigDict, family: str | None = None,
             fused_experts: bool = False) -> dict[str, Layout]:
-  """Our parameters by dotted name ('blocks.attn.wq_DNH') → their place in a HF Llama, or with
-  experts in a `family` checkpoint (default `experts.expert_family`), whose experts are
-  fused tensors or one tensor each."""
+  """Our parameters by dotted name ('blocks.attn.wq_DNH') → their place in a HF checkpoint of
+  the model's family: the Llama names, and what the family's options add (q/k/v biases,
+  q/k norms, Gemma's four norms a layer); with experts, those of a `family` checkpoint
+  (default `experts.expert_family`), whose experts are fused tensors or one tensor each."""
   m = model_cfg
   V, D, N, K, H, F = m.vocab_size, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
   layer = 'model.layers.{}.'
@@ -106,6 +107,18 @@ def layouts(model_cfg: ConfigDict, family: str | None = None,
       'embed_VD': Layout('model.embed_tokens.weight', ((V,), (D,)), (0, 1)),
       'final_norm.scale': Layout('model.norm.weight', ((D,),), (0,)),
   }
+  if m.qkv_bias:
+    for name, heads, ours in (('q', N, 'bias_q_NH'), ('k', K, 'bias_k_KH'), ('v', K, 'bias_v_KH')):
+      block[f'attn.{ours}'] = Layout(layer + f'self_attn.{name}_proj.bias', ((heads, H),), (0, 1))
+  if m.qk_norm:
+    for name in ('q', 'k'):
+      block[f'attn.{name}_norm.scale'] = Layout(layer + f'self_attn.{name}_norm.weight',
+                                                ((H,),), (0,))
+  if m.post_norms:  # Gemma's names: post_attention_layernorm follows attention here
+    norm = lambda name: Layout(layer + f'{name}.weight', ((D,),), (0,))
+    block.update({'attn_out_norm.scale': norm('post_attention_layernorm'),
+                  'mlp_norm.scale': norm('pre_feedforward_layernorm'),
+                  'mlp_out_norm.scale': norm('post_feedforward_layernorm')})
   moe = _expert_layouts(m, family or expert_family(m), fused_experts) if m.moe.experts else {}
   for prefix, layers, experts in stacks(m):
     for name, layout in {**block, **(moe if experts else dense_mlp)}.items():

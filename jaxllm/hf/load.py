@@ -1,5 +1,5 @@
-"""Reading a Hugging Face Llama, Mixtral or Qwen3-MoE checkpoint onto the mesh: `config.json` beside
-`model.safetensors`, or beside several `*.safetensors` files listed by
+"""Reading a Hugging Face checkpoint (any family of `families`, Mixtral or Qwen3-MoE) onto the
+mesh: `config.json` beside `model.safetensors`, or beside several `*.safetensors` files listed by
 `model.safetensors.index.json`. Each device reads its block of every tensor straight into its
 place: no device holds more of a parameter than its own part."""
 
@@ -136,7 +136,7 @@ def load_params(path: str, target_params, model_cfg: ConfigDict):
 
 
 def load(path: str, mesh, rules) -> tuple[ConfigDict, nnx.State]:
-  """(model config, parameters) of the Hugging Face Llama checkpoint at `path`, for inference:
+  """(model config, parameters) of the Hugging Face checkpoint at `path`, for inference:
   the parameters are stored in the compute dtype (as the checkpoint stores them).
 
   The parameters are an nnx.State laid out like `nnx.split(Transformer(model_cfg, ...))[1]`,

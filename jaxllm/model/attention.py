@@ -14,15 +14,19 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
+from jaxllm.config import layer_types
 from jaxllm.model import fp8
 from jaxllm.model.kv_cache import LayerCache, cached_attention
-from jaxllm.model.layers import param, apply_rope, project, project_all, rope_frequencies
+from jaxllm.model.layers import (RMSNorm, apply_rope, param, project, project_all,
+                                 rope_frequencies)
 from jaxllm.parallel.mesh import constrain, dividing_spec
 from jaxllm.parallel.rules import kv_heads_fit, mesh_axes
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention through `jax.nn.dot_product_attention`."""
+  """Grouped-query attention through `jax.nn.dot_product_attention`; with the config's
+  options, biases on q, k and v (model.qkv_bias), a norm over each head of q and k before RoPE
+  (model.qk_norm), and a sliding window on the layers model.layer_types makes 'sliding'."""
 
   def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
     D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -35,27 +39,52 @@ class Attention(nnx.Module):
     self.wo_NHD = param(rngs, out_init, (N, H, D), ('heads', 'head_dim', 'embed'), pd)
     self.fp8_qkv, self.fp8_out = fp8.group_scales(cfg, 3), fp8.group_scales(cfg, 1)
     self.cfg = cfg
+    # Made after the weights above, so that a model without them draws those as before.
+    bias = lambda *shape_names: (param(rngs, nnx.initializers.zeros, *shape_names, pd)
+                                 if cfg.qkv_bias else None)
+    self.bias_q_NH = bias((N, H), ('heads', 'head_dim'))
+    self.bias_k_KH = bias((K, H), ('kv_heads', 'head_dim'))
+    self.bias_v_KH = bias((K, H), ('kv_heads', 'head_dim'))
+    norm = lambda: (RMSNorm(H, cfg.norm_eps, pd, rngs, cfg.norm_zero_centered)
+                    if cfg.qk_norm else None)
+    self.q_norm, self.k_norm = norm(), norm()
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
-    """The attention output; with a `cache` (decoding), also the new tokens' keys and values."""
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None,
+               sliding=None):
+    """The attention output; with a `cache` (decoding), also the new tokens' keys and values.
+    `sliding`: whether this layer slides, a traced bool the layer scan carries where the
+    layers differ; None where they do not (every layer is as model.layer_types says)."""
     q_BTNH, k_BTKH, v_BTKH = project_all(
         x_BTD, (('btd,dnh->btnh', self.wq_DNH[...], ('embed', 'heads', 'head_dim')),
                 ('btd,dkh->btkh', self.wk_DKH[...], ('embed', 'kv_heads', 'head_dim')),
                 ('btd,dkh->btkh', self.wv_DKH[...], ('embed', 'kv_heads', 'head_dim'))),
         self.cfg.grad_reduce_dtype, self.cfg.collective_matmul, self.cfg.fp8,
         fp8.value(self.fp8_qkv))
+    if self.cfg.qkv_bias:
+      q_BTNH, k_BTKH, v_BTKH = (a + b[...].astype(a.dtype) for a, b in (
+          (q_BTNH, self.bias_q_NH), (k_BTKH, self.bias_k_KH), (v_BTKH, self.bias_v_KH)))
     # Names for the remat policies that keep some activations (REMAT).
     q_BTNH = checkpoint_name(constrain(q_BTNH, 'batch', 'seq', 'act_heads', None), 'q_proj')
     k_BTKH = checkpoint_name(constrain(k_BTKH, 'batch', 'seq', 'act_kv_heads', None), 'k_proj')
     v_BTKH = checkpoint_name(constrain(v_BTKH, 'batch', 'seq', 'act_kv_heads', None), 'v_proj')
-    inv_freq = rope_frequencies(self.cfg)
+    if self.cfg.qk_norm:
+      q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+    if sliding is None:
+      sliding = 'sliding' in layer_types(self.cfg)
+    inv_freq = layer_rope_frequencies(self.cfg, sliding)
     q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
     k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
-    if cache is None:
-      o_BTNH = sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
-                                 self.cfg.attention, self.cfg.max_documents)
+    scale = self.cfg.attention_scale or None
+    if cache is not None:
+      window = (jnp.where(sliding, self.cfg.sliding_window, 0) if isinstance(sliding, jax.Array)
+                else self.cfg.sliding_window)
+      o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, cache, window, scale)
     else:
-      o_BTNH = cached_attention(q_BTNH, k_BTKH, v_BTKH, cache)
+      attend = lambda window: sharded_attention(
+          q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention, self.cfg.max_documents,
+          window, scale)
+      o_BTNH = per_layer_window(attend, sliding, self.cfg.sliding_window,
+                                layer_types(self.cfg))
     o_BTNH = constrain(o_BTNH, 'batch', 'seq', 'act_heads', None)
     if self.cfg.attention != 'cudnn':  # cuDNN's output is kept as the kernel's (REMAT)
       o_BTNH = checkpoint_name(o_BTNH, 'attention')
@@ -63,6 +92,31 @@ class Attention(nnx.Module):
                       w_names=('heads', 'head_dim', 'embed'), collective=self.cfg.collective_matmul,
                       fp8=self.cfg.fp8, fp8_scales=fp8.value(self.fp8_out))
     return out_BTD if cache is None else (out_BTD, (k_BTKH, v_BTKH))
+
+
+def layer_rope_frequencies(cfg: ConfigDict, sliding) -> jax.Array:
+  """The rotary frequencies of a layer that slides or not (`sliding`, a bool or a traced one)."""
+  if not cfg.sliding_rope_theta:  # the same for both
+    return rope_frequencies(cfg)
+  if not isinstance(sliding, jax.Array):
+    return rope_frequencies(cfg, sliding)
+  return jnp.where(sliding, rope_frequencies(cfg, True), rope_frequencies(cfg, False))
+
+
+def per_layer_window(attend, sliding, window: int, kinds: tuple[str, ...]):
+  """`attend(window)` (window 0: none) for a layer that slides or not. A traced `sliding` (the
+  layers differ: `kinds`, every layer's type) chooses between the two at run time: cuDNN
+  takes its window as a constant of the kernel, so each branch is a kernel of its own. Each
+  branch is named with how many of the layers take it, which a compiled program's readers
+  count its executions by (`jaxllm.cost.hlo.BRANCH_SHARE`)."""
+  if not isinstance(sliding, jax.Array):
+    return attend(window if sliding else 0)
+  def branch(kind, w):
+    def run():
+      with jax.named_scope(f'{kind}_layers_runs_{kinds.count(kind)}_of_{len(kinds)}'):
+        return attend(w)
+    return run
+  return jax.lax.cond(sliding, branch('sliding', window), branch('full', 0))
 
 
 def with_available_attention(model_cfg: ConfigDict, platform: str) -> ConfigDict:
@@ -78,7 +132,7 @@ def with_available_attention(model_cfg: ConfigDict, platform: str) -> ConfigDict
 
 
 def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: str,
-                      max_documents: int):
+                      max_documents: int, window: int = 0, scale: float | None = None):
   """Causal attention inside each document, computed where the rows and heads are: rows
   split as the batch, heads as the head activations. No shard then needs another's data, and
   cuDNN's fused kernel sees local arrays: JAX's partitioning rule for it fails inside the
@@ -90,7 +144,11 @@ def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: st
   where they are and the keys and values come whole, all-gathered by the compiler (their
   gradients reduce-scattered back); a key is visible to a query of the same document at the
   same or an earlier index in the row (`_attend_split_queries`). Positions (RoPE's, which the
-  caller has applied) take no part in the mask: padding has position 0."""
+  caller has applied) take no part in the mask: padding has position 0.
+
+  `window` > 0: a query sees only the keys of the last `window` indices of its row, its own
+  included (Mistral's and Gemma's sliding window; inside a document, the last `window`
+  positions). `scale`: the logits' factor (None: 1/√head_dim)."""
   def attend(q_BTNH, k_BSKH, v_BSKH, index_T, segment_ids_BT, key_segment_ids_BS):
     if shared_kv:  # K/V heads are whole here: take the ones this device's query heads use
       local, group = shared_kv
@@ -99,11 +157,13 @@ def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: st
                         for a in (k_BSKH, v_BSKH))
     if split_queries:
       return _attend_split_queries(q_BTNH, k_BSKH, v_BSKH, index_T, segment_ids_BT,
-                                   key_segment_ids_BS, implementation)
+                                   key_segment_ids_BS, implementation, window, scale)
     if implementation == 'cudnn' and segment_ids_BT is not None and cudnn_packed_layout():
-      return packed_cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, max_documents)
+      return packed_cudnn_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, max_documents,
+                                    window, scale)
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
-                                        mask=segment_mask(segment_ids_BT),
+                                        mask=segment_mask(segment_ids_BT), scale=scale,
+                                        local_window_size=local_window(window),
                                         implementation=implementation)
 
   mesh = jax.sharding.get_abstract_mesh()
@@ -130,7 +190,7 @@ def sharded_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, implementation: st
 
 
 def _attend_split_queries(q_BTNH, k_BSKH, v_BSKH, index_T, segment_ids_BT, key_segment_ids_BS,
-                          implementation: str):
+                          implementation: str, window: int, scale: float | None):
   """Attention from T queries, a part of each row's sequence (at indices `index_T` of the
   row), to the S keys of all of it: masked by index and document, which is exact whatever
   order the split leaves the tokens in. cuDNN takes the mask as a dense bias: its packed
@@ -139,10 +199,13 @@ def _attend_split_queries(q_BTNH, k_BSKH, v_BSKH, index_T, segment_ids_BT, key_s
   Causality goes by index in the row, as one device's `is_causal` does, not by position:
   positions restart at 0 in the padding after an unpacked row's document (which carries no
   segment ids), so a position mask would let real tokens attend to that padding."""
-  mask_B1TS = (index_T[:, None] >= jnp.arange(k_BSKH.shape[1]))[None, None]
+  behind_TS = index_T[:, None] - jnp.arange(k_BSKH.shape[1])
+  mask_B1TS = (behind_TS >= 0)[None, None]
+  if window:
+    mask_B1TS &= (behind_TS < window)[None, None]
   if segment_ids_BT is not None:
     mask_B1TS &= segment_ids_BT[:, None, :, None] == key_segment_ids_BS[:, None, None, :]
-  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS,
+  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS, scale=scale,
                                       implementation=implementation)
 
 
@@ -183,7 +246,8 @@ def cudnn_packed_layout() -> bool:
   return cudnn.check_compute_capability('9.0')
 
 
-def packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents: int):
+def packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents: int,
+                           window: int = 0, scale: float | None = None):
   """Causal attention inside each document of packed rows, in cuDNN's packed layout: the
   kernel takes each row's documents as spans (`document_spans`), so no [T, T] mask is made,
   nor its gradient. cuDNN keeps fp32 softmax statistics for each of the M spans as if it
@@ -201,8 +265,16 @@ def packed_cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, max_documents
   starts_BM1, lengths_BM = document_spans(segment_ids_BT, min(max_documents, T))
   return cudnn.dot_product_attention(
       q_BTNH, k_BTNH, v_BTNH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM,
-      q_offsets=starts_BM1, kv_offsets=starts_BM1, scale=1 / math.sqrt(H),
-      mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout='BTNH')
+      q_offsets=starts_BM1, kv_offsets=starts_BM1, scale=scale or 1 / math.sqrt(H),
+      mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout='BTNH',
+      sliding_window_length=window or None)
+
+
+def local_window(window: int) -> tuple[int, int] | None:
+  """`jax.nn.dot_product_attention`'s local_window_size for a window of `window` positions, the
+  query's own included (0: none): it counts the keys left of the query, hence window - 1
+  (cuDNN's sliding_window_length, like transformers' sliding_window, counts the query's too)."""
+  return (window - 1, 0) if window else None
 
 
 def segment_mask(segment_ids_BT):

@@ -53,15 +53,21 @@ class LayerCache(NamedTuple):
   start_B: jax.Array
 
 
-def cached_attention(q_BTNH, k_BTKH, v_BTKH, cache: LayerCache):
+def cached_attention(q_BTNH, k_BTKH, v_BTKH, cache: LayerCache, window=0,
+                     scale: float | None = None):
   """The new tokens, written at slots length … length+T-1, attend to their row's filled
-  slots and to each other, causally."""
+  slots and to each other, causally; with a `window` (> 0; traced where the layers differ)
+  only to the last `window` slots, their own included. `scale`: the logits' factor (None:
+  1/√head_dim)."""
   k_BSKH = jax.lax.dynamic_update_slice_in_dim(cache.k_BSKH, k_BTKH, cache.length, axis=1)
   v_BSKH = jax.lax.dynamic_update_slice_in_dim(cache.v_BSKH, v_BTKH, cache.length, axis=1)
   slots_S = jnp.arange(k_BSKH.shape[1])
   query_slots_T = cache.length + jnp.arange(q_BTNH.shape[1])
   mask_B1TS = ((slots_S[None, None, None, :] <= query_slots_T[None, None, :, None]) &
                (slots_S[None, None, None, :] >= cache.start_B[:, None, None, None]))
+  if isinstance(window, jax.Array) or window:  # a traced 0: a full layer among sliding ones
+    behind_TS = query_slots_T[:, None] - slots_S[None, :]
+    mask_B1TS &= ((behind_TS < window) | (window == 0))[None, None]
   # XLA's attention takes any mask; the fused cuDNN kernel is for causal training shapes.
-  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS,
+  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS, scale=scale,
                                       implementation='xla')

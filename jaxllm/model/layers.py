@@ -1,5 +1,6 @@
 """The decoder's building blocks: parameters, RMSNorm, rotary embeddings, `project` (a weight
-matmul with its own backward), `project_all` (several of one input) and the SwiGLU MLP.
+matmul with its own backward), `project_all` (several of one input) and the gated MLP
+(SwiGLU, or GeGLU).
 
 Parameters and activations carry logical axis names only; `jaxllm.parallel.mesh` binds them to
 mesh axes. Shapes are spelled in suffixes: B batch, T sequence, D embed, N query heads, K kv
@@ -29,24 +30,36 @@ def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis, in fp32. `zero_centered` (model.norm_zero_centered, Gemma's
+  norms): the scale is stored as w and applied as 1 + w, starting at w = 0."""
 
-  def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs,
+               zero_centered: bool = False):
     self.eps = eps
-    self.scale = param(rngs, nnx.initializers.ones, (dim,), ('norm',), param_dtype)
+    self.zero_centered = zero_centered
+    init = nnx.initializers.zeros if zero_centered else nnx.initializers.ones
+    self.scale = param(rngs, init, (dim,), ('norm',), param_dtype)
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    scale = self.scale[...].astype(jnp.float32)
+    return (x32 * (1 + scale if self.zero_centered else scale)).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ConfigDict) -> jax.Array:
-  """Inverse frequencies [H/2] of the rotary embedding, with optional Llama-3 scaling."""
+def rope_frequencies(cfg: ConfigDict, sliding: bool = False) -> jax.Array:
+  """Inverse frequencies [H/2] of the rotary embedding, with optional scaling (Llama 3's or
+  linear). `sliding`: a sliding layer's, which has a base of its own, unscaled, where
+  model.sliding_rope_theta sets one (Gemma 3's local layers)."""
   h = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  own_base = sliding and cfg.sliding_rope_theta > 0
+  theta = cfg.sliding_rope_theta if own_base else cfg.rope_theta
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
   s = cfg.rope_scaling
-  if s.factor <= 0:
+  if s.factor <= 0 or own_base:
     return inv_freq
+  if s.kind == 'linear':
+    return inv_freq / s.factor
   # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
   wavelen = 2 * math.pi / inv_freq
   low_freq_wavelen = s.original_max_position / s.low_freq_factor
@@ -161,7 +174,8 @@ _project.defvjp(_project_fwd, _project_bwd)
 
 
 class MLP(nnx.Module):
-  """SwiGLU feed-forward, `mlp_dim` wide (default model.mlp_dim)."""
+  """Gated feed-forward `mlp_dim` wide (default model.mlp_dim): SwiGLU, or GeGLU with the tanh
+  GELU (model.mlp_activation)."""
 
   def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs, mlp_dim: int | None = None):
     D, F = cfg.embed_dim, mlp_dim or cfg.mlp_dim
@@ -175,13 +189,16 @@ class MLP(nnx.Module):
     self.grad_reduce_dtype = cfg.grad_reduce_dtype
     self.collective_matmul = cfg.collective_matmul
     self.fp8 = cfg.fp8
+    self.activation = cfg.mlp_activation
 
   def __call__(self, x_BTD):
     gate_BTF, up_BTF = project_all(
         x_BTD, (('btd,df->btf', self.w_gate_DF[...], ('embed', 'mlp')),
                 ('btd,df->btf', self.w_up_DF[...], ('embed', 'mlp'))),
         self.grad_reduce_dtype, self.collective_matmul, self.fp8, scales_of(self.fp8_gate_up))
-    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, 'batch', 'seq', 'act_mlp')
+    act = jax.nn.silu if self.activation == 'silu' else functools.partial(jax.nn.gelu,
+                                                                          approximate=True)
+    h_BTF = constrain(act(gate_BTF) * up_BTF, 'batch', 'seq', 'act_mlp')
     return project('btf,fd->btd', h_BTF, self.w_down_FD[...], self.grad_reduce_dtype,
                    w_names=('mlp', 'embed'), collective=self.collective_matmul, fp8=self.fp8,
                    fp8_scales=scales_of(self.fp8_down))

@@ -9,12 +9,15 @@ of `every` blocks whose last has the experts: one scan still runs them all.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from ml_collections import ConfigDict, FrozenConfigDict
 
+from jaxllm.config import layer_types
 from jaxllm.model.attention import Attention
 from jaxllm.model.embedding import sharded_lookup
 from jaxllm.model.kv_cache import KV_CACHE_AXES, KVCache, LayerCache
@@ -46,23 +49,33 @@ LOGICAL_SHAPES = (
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: attention, then MLP (with `experts`, the MoE layer)."""
+  """Pre-norm residual block: attention, then MLP (with `experts`, the MoE layer); with
+  model.post_norms, each output normed again before it joins the residual (Gemma's four norms a
+  layer)."""
 
   def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs, experts: bool = False):
     pd = jnp.dtype(cfg.param_dtype)
-    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs)
+    norm = lambda: RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs, cfg.norm_zero_centered)
+    self.attn_norm = norm()
     self.attn = Attention(cfg, rngs)
-    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs)
+    self.mlp_norm = norm()
     self.mlp = MoE(cfg, rngs) if experts else MLP(cfg, rngs)
+    self.attn_out_norm, self.mlp_out_norm = (norm(), norm()) if cfg.post_norms else (None, None)
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None,
+               sliding=None):
     """(the block's output, with a `cache` the new tokens' keys and values, else the router's
-    `RouterStats`: None for a dense MLP)."""
-    attn = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, cache)
+    `RouterStats`: None for a dense MLP). `sliding`: whether this layer's attention slides,
+    where the layers differ (see `sliding_flags`)."""
+    attn = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, cache, sliding)
     attn_BTD, new_kv = attn if cache is not None else (attn, None)
+    if self.attn_out_norm is not None:
+      attn_BTD = self.attn_out_norm(attn_BTD)
     x_BTD = constrain(x_BTD + attn_BTD, *RESIDUAL_AXES)
     mlp = self.mlp(self.mlp_norm(x_BTD))
     mlp_BTD, stats = mlp if isinstance(self.mlp, MoE) else (mlp, None)
+    if self.mlp_out_norm is not None:
+      mlp_BTD = self.mlp_out_norm(mlp_BTD)
     x_BTD = constrain(x_BTD + mlp_BTD, *RESIDUAL_AXES)
     return x_BTD, (stats if cache is None else new_kv)
 
@@ -75,9 +88,12 @@ class BlockGroup(nnx.Module):
     n = cfg.moe.every
     self.layers = nnx.List([Block(cfg, rngs, experts=i == n - 1) for i in range(n)])
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None):
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None,
+               sliding=None):
     """As `Block`'s; a `cache` holds the group's layers on a leading axis, and so do the new
-    keys and values."""
+    keys and values. `sliding` is always None: validate refuses experts with layers whose
+    attention differs, so each Block knows its type from the config."""
+    assert sliding is None, 'per-layer attention types are not carried through block groups'
     sides = []
     for i, block in enumerate(self.layers):
       layer_cache = (None if cache is None else
@@ -89,26 +105,42 @@ class BlockGroup(nnx.Module):
     return x_BTD, tuple(jnp.stack(kv) for kv in zip(*sides))
 
 
+def sliding_flags(cfg: ConfigDict, first=0, count: int | None = None):
+  """Whether each of `count` consecutive layers from layer `first` (default: all of them)
+  slides, [count] bool: the data the layer scan carries where the layers' attention differs
+  (model.layer_types), so that the one Block picks its window and RoPE layer by layer.
+  `first` may be traced (a pipeline stage's first layer). None where every layer is alike:
+  the Block then knows its layer type from the config."""
+  kinds = layer_types(cfg)
+  if len(set(kinds)) == 1:
+    return None
+  table = jnp.asarray([kind == 'sliding' for kind in kinds])
+  return jax.lax.dynamic_slice_in_dim(table, first, count or cfg.num_layers)
+
+
 def sequence_positions(tokens_BT):
   """Positions 0..T-1 of every row: one unpacked sequence per row."""
   return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
 
 
-def scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, remat: str):
+def scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, remat: str,
+                sliding_L=None):
   """Applies the blocks (or block groups) stacked on the leading axis of `stacked`, in order,
-  with `lax.scan`. Returns the output and the MoE layers' `RouterStats` stacked over the scan
+  with `lax.scan`. `sliding_L`: each of those layers' `sliding_flags`, or None where the
+  layers are alike. Returns the output and the MoE layers' `RouterStats` stacked over the scan
   (None without experts)."""
   def body(x_BTD, layer):
-    return nnx.merge(graphdef, layer)(x_BTD, positions_BT, segment_ids_BT)
+    layer, sliding = layer if sliding_L is not None else (layer, None)
+    return nnx.merge(graphdef, layer)(x_BTD, positions_BT, segment_ids_BT, sliding=sliding)
 
   if remat != 'none':
     body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
   # Named outside the layer's own checkpoint, for one around the whole stack (stack_policy).
   named_body = lambda x_BTD, layer: body(checkpoint_name(x_BTD, 'layer_input'), layer)
-  return jax.lax.scan(named_body, x_BTD, stacked)
+  return jax.lax.scan(named_body, x_BTD, stacked if sliding_L is None else (stacked, sliding_L))
 
 
-def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache):
+def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache, sliding_L):
   """The scan of `scan_blocks` with each layer reading its slice of `cache` (this stack's
   layers) and returning its new keys and values [L, B, T, K, H], which the caller writes into
   the cache once. No remat: decoding takes no gradients."""
@@ -116,12 +148,13 @@ def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache):
   by_unit = lambda a: a.reshape(units, -1, *a.shape[1:]) if a.shape[0] > units else a
 
   def body(x_BTD, layer_and_cache):
-    layer, k_BSKH, v_BSKH = layer_and_cache
+    layer, k_BSKH, v_BSKH, sliding = layer_and_cache
     return nnx.merge(graphdef, layer)(x_BTD, positions_BT, None,
-                                      LayerCache(k_BSKH, v_BSKH, cache.length, cache.start_B))
+                                      LayerCache(k_BSKH, v_BSKH, cache.length, cache.start_B),
+                                      sliding=sliding)
 
-  x_BTD, new_kv = jax.lax.scan(body, x_BTD,
-                               (stacked, by_unit(cache.k_LBSKH), by_unit(cache.v_LBSKH)))
+  x_BTD, new_kv = jax.lax.scan(
+      body, x_BTD, (stacked, by_unit(cache.k_LBSKH), by_unit(cache.v_LBSKH), sliding_L))
   return x_BTD, tuple(a.reshape(-1, *a.shape[-4:]) for a in new_kv)
 
 
@@ -172,13 +205,15 @@ class Transformer(nnx.Module):
       self.blocks = _stack(lambda rngs: Block(cfg, rngs, experts=True), rest, rngs)
     else:
       self.blocks = _stack(lambda rngs: BlockGroup(cfg, rngs), rest // cfg.moe.every, rngs)
-    self.final_norm = RMSNorm(D, cfg.norm_eps, pd, rngs)
+    self.final_norm = RMSNorm(D, cfg.norm_eps, pd, rngs, cfg.norm_zero_centered)
     if not cfg.tie_embeddings:
       self.head_DV = param(rngs, nnx.initializers.normal(cfg.init_std), (D, V),
                             ('embed', 'vocab'), pd)
 
   def embed(self, tokens_BT):
     x_BTD = sharded_lookup(self.embed_VD[...], tokens_BT, self.cfg.dtype)
+    if self.cfg.scale_embeddings:  # √D rounded to the compute dtype first, as Gemma's
+      x_BTD = x_BTD * jnp.asarray(math.sqrt(self.cfg.embed_dim), x_BTD.dtype)
     return constrain(x_BTD, *RESIDUAL_AXES)
 
   def layers(self, x_BTD, positions_BT, segment_ids_BT=None, cache: KVCache | None = None):
@@ -191,19 +226,22 @@ class Transformer(nnx.Module):
     returns the output and the cache holding them."""
     first, _ = stack_layers(self.cfg)
     stacks = [nnx.split(s) for s in (self.dense_blocks, self.blocks) if s is not None]
+    # Each stack's layers: per-layer attention types only without experts (validate), where
+    # `blocks` is the one stack of all the layers.
+    bounds = ((0, first), (first, self.cfg.num_layers)) if first else ((0, self.cfg.num_layers),)
+    sliding = [sliding_flags(self.cfg, start, stop - start) for start, stop in bounds]
     if cache is None:
       stats = None
-      for graphdef, stacked in stacks:
+      for (graphdef, stacked), sliding_L in zip(stacks, sliding):
         x_BTD, stats = scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT,
-                                   self.cfg.remat)
+                                   self.cfg.remat, sliding_L)
       return x_BTD, stats
     if segment_ids_BT is not None:
       raise ValueError('decoding with a KV cache takes one sequence per row: no segment ids.')
-    bounds = ((0, first), (first, None)) if first else ((0, None),)
     new_kv = []
-    for (graphdef, stacked), (start, stop) in zip(stacks, bounds):
+    for (graphdef, stacked), (start, stop), sliding_L in zip(stacks, bounds, sliding):
       layers = cache._replace(k_LBSKH=cache.k_LBSKH[start:stop], v_LBSKH=cache.v_LBSKH[start:stop])
-      x_BTD, kv = _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, layers)
+      x_BTD, kv = _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, layers, sliding_L)
       new_kv.append(kv)
     return x_BTD, cache.append(*(jnp.concatenate(a) for a in zip(*new_kv)))
 

@@ -26,11 +26,11 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.model import fp8
 from jaxllm.model.moe import RouterBias
 from jaxllm.model.remat import stack_policy
-from jaxllm.model.transformer import scan_blocks
+from jaxllm.model.transformer import scan_blocks, sliding_flags
 from jaxllm.parallel.gather import batch_split_gatherer
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
 from jaxllm.parallel.rules import mesh_axes, spec_entry
-from jaxllm.pipeline.spec import PipelineSpec, stage_split
+from jaxllm.pipeline.spec import PipelineSpec, chunk_first_layer, stage_split
 
 
 def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spec: PipelineSpec,
@@ -67,7 +67,13 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
     # invariants, which the backward pass reads without a copy per iteration.
     layers = jax.tree.map(lambda w: w[0, 0] if R == 1 else w[0, repeat],
                           (staged, scales, biases))
-    return scan_blocks(graphdef, nnx.merge_state(*layers), x_BTD, *rows_info, remat)
+    # Per-layer flags only where layer types mix, which validate refuses with experts: a chunk
+    # is then per_chunk layers.
+    per_chunk = model_cfg.num_layers // (S * R)
+    sliding = sliding_flags(model_cfg, chunk_first_layer(jax.lax.axis_index('pipe'), repeat, S,
+                                                         per_chunk), per_chunk)
+    return scan_blocks(graphdef, nnx.merge_state(*layers), x_BTD, *rows_info, remat,
+                       sliding_L=sliding)
 
   if R > 1 or spec.gather_weights == 'iteration':
     # Weights sliced or gathered anew in every iteration are recomputed for the backward pass

@@ -32,11 +32,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.model.remat import stack_policy
-from jaxllm.model.transformer import head_loss_sum, scan_blocks
+from jaxllm.model.transformer import head_loss_sum, scan_blocks, sliding_flags
 from jaxllm.parallel.gather import batch_split_gatherer, compiler_axes
 from jaxllm.parallel.mesh import keep_axes, logical_spec, split_micro_batches
 from jaxllm.parallel.rules import mesh_axes
-from jaxllm.pipeline.spec import PipelineSpec, stage_split
+from jaxllm.pipeline.spec import PipelineSpec, chunk_first_layer, stage_split
 from jaxllm.pipeline.ticks import one_f_one_b_ticks
 
 # Per tick and stage: the forward's item and slot, the backward's item and slot.
@@ -62,7 +62,7 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
   auto = compiler_axes()
   layouts = jax.tree.map(lambda s: keep_axes(s, auto),
                          (jax.tree.map(lambda s: P(*s[1:]), staged_specs), head_specs))
-  stage = _Stage(graphdef, model_cfg.remat)
+  stage = _Stage(graphdef, model_cfg, S, R)
   head = _Head(model_cfg, norm_graph, z_loss)
   schedule = _schedule_loss(stage, head, one_f_one_b_ticks(S, R, M), layouts, spec.bubble_fill)
 
@@ -83,7 +83,8 @@ def pipeline_loss(blocks: nnx.Module, final_norm: nnx.Module, w_DV, x_BTD, posit
 
 
 class _Stage:
-  """A chunk of the layer stack, run forward, linearized and pulled back.
+  """A chunk of the layer stack, run forward, linearized and pulled back; `chunk` is which of
+  this stage's R chunks (it says which layers they are: `chunk_first_layer`).
 
   Its weights come in their own dtype (fp32, holding the compute dtype's values), so that each
   tick's weight gradients come back in it, to be summed in fp32 as GPipe's scan sums them;
@@ -93,16 +94,20 @@ class _Stage:
   backward from the weights (what the slots keep besides is what model.remat says; under
   'none', the outputs of the weight matmuls and of attention)."""
 
-  def __init__(self, graphdef, remat: str):
-    self.graphdef, self.remat = graphdef, remat
+  def __init__(self, graphdef, model_cfg, stages: int, repeats: int):
+    self.graphdef, self.model_cfg, self.remat = graphdef, model_cfg, model_cfg.remat
+    self.stages, self.per_chunk = stages, model_cfg.num_layers // (stages * repeats)
 
-  def __call__(self, w, x_BTD, info):
-    run = lambda w, x_BTD: scan_blocks(self.graphdef, w, x_BTD, *info, self.remat)[0]  # no experts
+  def __call__(self, w, x_BTD, info, chunk):
+    first = chunk_first_layer(jax.lax.axis_index('pipe'), chunk, self.stages, self.per_chunk)
+    sliding_L = sliding_flags(self.model_cfg, first, self.per_chunk)
+    run = lambda w, x_BTD: scan_blocks(self.graphdef, w, x_BTD, *info, self.remat,
+                                       sliding_L=sliding_L)[0]  # no experts
     return jax.checkpoint(run, policy=stack_policy(self.remat), prevent_cse=False)(w, x_BTD)
 
-  def linearize(self, w, x_BTD, info):
+  def linearize(self, w, x_BTD, info, chunk):
     """(output, residuals to keep, (pullback structure, where w's leaves go in it))."""
-    y, pullback = jax.vjp(lambda w, x: self(w, x, info), w, x_BTD)
+    y, pullback = jax.vjp(lambda w, x: self(w, x, info, chunk), w, x_BTD)
     leaves, treedef = jax.tree.flatten(pullback)
     weight_ids = {id(a): k for k, a in enumerate(jax.tree.leaves(w))}
     weight_at = tuple(weight_ids.get(id(a)) for a in leaves)
@@ -187,7 +192,7 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
     # The residuals' shapes and the pullback's structure, from a trace of one forward.
     found = []
     def probe(w, x, info):
-      _, kept, structure = stage.linearize(w, x, info)
+      _, kept, structure = stage.linearize(w, x, info, 0)
       found.append(structure)
       return kept
     kept_shapes = jax.eval_shape(probe, chunk_weights(0), x_M[0], info_of(0))
@@ -211,12 +216,12 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
         x = jnp.where(first & (r == 0), x_M[m], c['activation'])
         x = jnp.where(f_valid, x, 0)  # idle slots run on zeros: what they hold can't leak
         if backward:
-          y, kept, found_structure = stage.linearize(chunk_weights(r), x, info_of(m))
+          y, kept, found_structure = stage.linearize(chunk_weights(r), x, info_of(m), r)
           assert found_structure[1] == structure[1], 'the stage traced differently'
           c['buffer'] = [jax.lax.dynamic_update_index_in_dim(b, k, mine['f_slot'], 0)
                          for b, k in zip(c['buffer'], kept)]
         else:
-          y = stage(chunk_weights(r), x, info_of(m))
+          y = stage(chunk_weights(r), x, info_of(m), r)
         if with_head:  # on the last stage, where it ends a micro-batch; zeros elsewhere
           run = functools.partial(head.grads if backward else head.sums, head_params,
                                   targets_BT=targets_M[m], mask_BT=mask_M[m])

@@ -78,6 +78,14 @@ def from_stage_order(tree, stages: int, repeats: int):
   return _swap_layer_groups(tree, stages, repeats) if repeats > 1 else tree
 
 
+def chunk_first_layer(stage, repeat, stages: int, layers_per_chunk: int):
+  """The layer (in layer order) that chunk `repeat` of stage `stage` starts with, either
+  possibly traced: stored stage-major (`to_stage_order`), stage s's chunk r holds the
+  `layers_per_chunk` layers from (r·S + s)·layers_per_chunk on. Per-layer settings
+  (`jaxllm.model.transformer.sliding_flags`) are taken from here."""
+  return (repeat * stages + stage) * layers_per_chunk
+
+
 def stage_split(stacked, S: int, R: int):
   """(staged, specs): the stacked block parameters as [S, R, L/(S·R), ...] (stored
   stage-major, each stage's layers stay where they are) and their specs over the mesh."""
