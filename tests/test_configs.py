@@ -105,12 +105,10 @@ def test_loading_a_config_starts_no_backend(tmp_path):
   assert out[-1] == f'{recipe} cudnn False'
 
 
-# (total, active per token) parameters of the released mixtures of experts. Qwen3-30B-A3B's
-# per-head q and k norms (2 × 128 scales in each of 48 layers) are not in the model yet.
-QWEN3_QK_NORMS = 48 * 2 * 128
+# (total, active per token) parameters of the released mixtures of experts.
 PUBLISHED_MOE = {
     'mixtral_8x7b': (46_702_792_704, 12_879_925_248),
-    'qwen3_30b_a3b': (30_532_122_624 - QWEN3_QK_NORMS, 3_353_032_704 - QWEN3_QK_NORMS),
+    'qwen3_30b_a3b': (30_532_122_624, 3_353_032_704),
 }
 
 

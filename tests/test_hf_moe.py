@@ -41,7 +41,23 @@ def save_mixtral(directory, fused=False, dtype=torch.float32):
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
                          max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-  model = _perturb(MixtralForCausalLM(config)).to(dtype)
+  return _save(MixtralForCausalLM(config), directory, fused, dtype)
+
+
+def save_qwen3_moe(directory, fused=False, dtype=torch.float32):
+  """A tiny random Qwen3MoeForCausalLM (4 experts of width 12, top-2, renormalised; q and k
+  normed per head) whose first layer is dense and the next three MoE, saved as
+  `save_mixtral` saves its model."""
+  config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
+                          moe_intermediate_size=12, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, mlp_only_layers=[0], rms_norm_eps=1e-6,
+                          max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+  return _save(Qwen3MoeForCausalLM(config), directory, fused, dtype)
+
+
+def _save(model, directory, fused, dtype):
+  model = _perturb(model).to(dtype)
   model.save_pretrained(directory, safe_serialization=True)
   if fused:
     for file in directory.glob('*.safetensors'):
@@ -81,6 +97,52 @@ def test_mixtral_logits_and_greedy_tokens_equal_transformers(layout, axes, tmp_p
   np.testing.assert_allclose(our_logits(model_cfg, params, mesh, tokens),
                              hf_logits(reference, tokens), atol=1e-4, rtol=1e-4)
   assert generate(model_cfg, params, PROMPT, 10, greedy=True) == hf_greedy(reference, PROMPT, 10)
+
+
+@pytest.mark.slow  # about 15 s each: the decode loop compiles
+@pytest.mark.parametrize('layout, axes', [
+    ('per_expert', dict()),
+    ('fused', dict(fsdp=2, tensor=2)),
+], ids=['per_expert-one_device', 'fused-fsdp2_tensor2'])
+def test_qwen3_moe_logits_and_greedy_tokens_equal_transformers(layout, axes, tmp_path):
+  """Qwen3-MoE's q/k norms, its dense first layer and its experts of their own width, in
+  both expert layouts; on a mesh the experts split over fsdp, their hidden units over
+  tensor."""
+  reference = save_qwen3_moe(tmp_path, fused=layout == 'fused')
+  names = hf_tensors(tmp_path).keys()
+  assert ('model.layers.1.mlp.experts.gate_up_proj' in names) == (layout == 'fused')
+  assert ('model.layers.1.mlp.experts.3.up_proj.weight' in names) == (layout != 'fused')
+  assert 'model.layers.0.self_attn.q_norm.weight' in names
+  mesh = mesh_of(**axes)
+  model_cfg, params = hf.load(str(tmp_path), mesh, RULES)
+  assert model_cfg.qk_norm
+  assert (model_cfg.moe.experts, model_cfg.moe.top_k, model_cfg.moe.mlp_dim,
+          model_cfg.moe.first_dense, model_cfg.moe.every) == (4, 2, 12, 1, 1)
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+  np.testing.assert_allclose(our_logits(model_cfg, params, mesh, tokens),
+                             hf_logits(reference, tokens), atol=1e-4, rtol=1e-4)
+  assert generate(model_cfg, params, PROMPT, 10, greedy=True) == hf_greedy(reference, PROMPT, 10)
+
+
+def test_qwen3_moe_exports_what_transformers_reads(tmp_path):
+  """A Qwen3-MoE checkpoint read and written back: the same config keys that decide the model
+  and the same tensors by name, which transformers reads into a model of the same logits."""
+  hf_dir, out_dir = tmp_path / 'hf', tmp_path / 'out'
+  reference = save_qwen3_moe(hf_dir)
+  model_cfg, params = hf.load(str(hf_dir), mesh_of(), RULES)
+  hf.export(params, model_cfg, str(out_dir), 'float32', hf.Vocabulary(bos_id=1, eos_id=2))
+  config = json.loads((out_dir / 'config.json').read_text())
+  assert (config['architectures'], config['model_type']) == (['Qwen3MoeForCausalLM'],
+                                                             'qwen3_moe')
+  assert hf.model_config(str(out_dir)) == model_cfg
+  written, want = hf_tensors(out_dir), hf_tensors(hf_dir)
+  assert sorted(written) == sorted(want)
+  for name in want:
+    np.testing.assert_array_equal(written[name], want[name], err_msg=name)
+  exported = Qwen3MoeForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+  np.testing.assert_allclose(hf_logits(exported, tokens), hf_logits(reference, tokens),
+                             atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -146,27 +208,14 @@ def test_qwen3_moe_layers_and_tensor_names_are_transformers(case, tmp_path):
 
   model_cfg = default_config().model
   model_cfg.update(vocab_size=VOCAB, embed_dim=32, num_layers=6, num_heads=4, num_kv_heads=2,
-                   head_dim=8, mlp_dim=40)
+                   head_dim=8, mlp_dim=40, qk_norm=True)
   model_cfg.moe.update(fields)
-  written = {name: tuple(t.shape) for name, t in hf_tensors(tmp_path).items()
-             if not name.endswith(('q_norm.weight', 'k_norm.weight'))}
+  written = {name: tuple(t.shape) for name, t in hf_tensors(tmp_path).items()}
   for fused, tensors in ((False, written), (True, {k: tuple(v.shape)
                                                    for k, v in model.state_dict().items()})):
     ours = {name: layout.hf_shape for layout in layouts(model_cfg, 'qwen3_moe', fused).values()
             for name in hf_names(layout)}
-    tensors = {k: v for k, v in tensors.items() if not k.endswith(('q_norm.weight',
-                                                                    'k_norm.weight'))}
     assert ours == tensors
-
-
-def test_qwen3_moe_import_is_refused_in_one_line(tmp_path):
-  config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
-                          moe_intermediate_size=12, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
-  Qwen3MoeForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
-  with pytest.raises(ConfigError, match='q_norm, k_norm') as error:
-    hf.model_config(str(tmp_path))
-  assert '\n' not in str(error.value)
 
 
 BAD_MIXTRAL = {
@@ -191,5 +240,16 @@ def test_export_refuses_a_router_no_architecture_has(tmp_path):
   cfg.model.update(max_position=64)
   cfg.model.moe.update(experts=4, top_k=2, router='sigmoid')
   with pytest.raises(ConfigError, match=r"model\.moe\.router='sigmoid'") as error:
+    hf.export({}, cfg.model, str(tmp_path / 'out'), 'float32', hf.Vocabulary())
+  assert '\n' not in str(error.value) and not (tmp_path / 'out').exists()
+
+
+def test_export_of_qwen3_moe_routing_without_its_attention_is_refused(tmp_path):
+  """Experts after a dense first layer are Qwen3-MoE's alone, whose attention norms q and k:
+  without model.qk_norm no architecture computes the model."""
+  cfg = small_config()
+  cfg.model.update(max_position=64)
+  cfg.model.moe.update(experts=4, top_k=2, first_dense=1)
+  with pytest.raises(ConfigError, match=r'set model\.qk_norm=True') as error:
     hf.export({}, cfg.model, str(tmp_path / 'out'), 'float32', hf.Vocabulary())
   assert '\n' not in str(error.value) and not (tmp_path / 'out').exists()

@@ -108,27 +108,34 @@ def expert_family(m: ConfigDict) -> str | None:
       raise ConfigError(f'model.moe.{field}={moe[field]!r}: no Hugging Face architecture jaxllm '
                         f'writes (Mixtral, Qwen3-MoE) has it; they need model.moe.{field}='
                         f'{supported!r}.')
+  if m.qk_norm:  # Qwen3's attention: any experts' width, routing and MoE layers
+    return 'qwen3_moe'
   if moe.first_dense == 0 and moe.every == 1 and moe.renormalize and not moe.mlp_dim:
     return 'mixtral'
   raise ConfigError('model.moe.first_dense, every, mlp_dim or renormalize differ from '
-                    "Mixtral's (0, 1, 0, True): only Qwen3-MoE writes such a model, and its "
-                    'attention normalises q and k per head, which jaxllm cannot compute yet.')
+                    "Mixtral's (0, 1, 0, True): only Qwen3-MoE writes such a model, whose "
+                    'attention normalises q and k per head; set model.qk_norm=True.')
 
 
 def moe_json(m: ConfigDict, kind: str) -> dict:
   """The config.json keys of a `kind` checkpoint's experts."""
   moe = m.moe
-  return dict(num_local_experts=moe.experts, num_experts_per_tok=moe.top_k,
-              router_aux_loss_coef=moe.aux_loss, output_router_logits=False,
-              router_jitter_noise=0.0, **({'sliding_window': None} if kind == 'mixtral' else {}))
+  common = dict(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss,
+                output_router_logits=False)
+  if kind == 'mixtral':
+    return dict(common, num_local_experts=moe.experts, router_jitter_noise=0.0,
+                sliding_window=None)
+  moe_at = moe_layers_pattern(m.num_layers, moe.first_dense, moe.every)
+  return dict(common, num_experts=moe.experts, moe_intermediate_size=moe.mlp_dim or m.mlp_dim,
+              norm_topk_prob=moe.renormalize, decoder_sparse_step=1,
+              mlp_only_layers=[i for i, is_moe in enumerate(moe_at) if not is_moe])
 
 
 def check_experts_supported(hf: dict, kind: str, where: str) -> None:
-  """ConfigError for what jaxllm cannot compute in a `kind` checkpoint's attention."""
+  """ConfigError for what jaxllm cannot compute in a `kind` checkpoint's attention: sliding
+  windows (jaxllm's expert stacks run one attention type in every layer, the full one here)."""
   if hf.get('sliding_window') and (kind == 'mixtral' or hf.get('use_sliding_window')):
     raise ConfigError(f'{where}: sliding_window={hf["sliding_window"]} is not supported; jaxllm '
-                      'reads Mixtral checkpoints whose attention sees the whole context '
-                      '(sliding_window null, as Mixtral 8x7B v0.1 releases it).')
-  if kind == 'qwen3_moe':
-    raise ConfigError(f'{where}: Qwen3-MoE normalises q and k per head (q_norm, k_norm), which '
-                      "jaxllm's attention cannot compute yet; only Mixtral's experts can be read.")
+                      f'reads {kind} checkpoints whose attention sees the whole context '
+                      '(sliding_window null, as Mixtral 8x7B v0.1 releases it; '
+                      'use_sliding_window false, as Qwen3-MoE does).')

@@ -73,14 +73,14 @@ def _hf_layer_types(hf: dict, kind: str) -> list[str]:
   window = hf.get('sliding_window')
   if kind == 'mistral':  # every layer, where a window is set (layer_types is ignored)
     return ['sliding_attention' if window else 'full_attention'] * L
-  if kind in ('qwen2', 'qwen3') and not hf.get('use_sliding_window', False):
+  if kind in ('qwen2', 'qwen3', 'qwen3_moe') and not hf.get('use_sliding_window', False):
     return ['full_attention'] * L
   if hf.get('layer_types'):
     return list(hf['layer_types'])
   if kind == 'gemma3_text':
     period = hf.get('sliding_window_pattern', hf.get('_sliding_window_pattern', 6))
     return ['sliding_attention' if (i + 1) % period else 'full_attention' for i in range(L)]
-  if kind in ('qwen2', 'qwen3'):
+  if kind in ('qwen2', 'qwen3', 'qwen3_moe'):
     first = hf.get('max_window_layers', 28)
     return ['sliding_attention' if window and i >= first else 'full_attention' for i in range(L)]
   return ['full_attention'] * L
@@ -148,7 +148,7 @@ def block_fields(hf: dict, kind: str, head_dim: int, where: str) -> dict:
     fields['sliding_rope_theta'] = local_theta
   if kind == 'qwen2':
     fields['qkv_bias'] = True
-  elif kind == 'qwen3':
+  elif kind in ('qwen3', 'qwen3_moe'):
     fields['qk_norm'] = True
   elif kind == 'gemma3_text':
     fields.update(GEMMA, attention_scale=float(hf.get('query_pre_attn_scalar', head_dim))**-0.5)
