@@ -32,6 +32,9 @@ from jaxllm.step import state_shapes
 # all agree.
 SHAPE_FIELDS = ('vocab_size', 'embed_dim', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
                 'mlp_dim', 'tie_embeddings', 'param_dtype', 'qk_norm', 'qkv_bias', 'post_norms')
+# model.moe's (the router's kind decides whether there are router biases).
+MOE_SHAPE_FIELDS = ('experts', 'mlp_dim', 'shared_experts', 'shared_mlp_dim', 'first_dense',
+                    'every', 'router')
 SET_ASIDE_SUFFIX = '.unreadable'
 
 
@@ -51,6 +54,15 @@ def params_target(model_cfg: ConfigDict, mesh, rules):
   """The model's parameters as shapes with their shardings on `mesh`: what loading reads into."""
   _, abstract, shardings = state_shapes(model_cfg, optax.identity(), mesh, rules)
   return restore_target(abstract.params, shardings.params)
+
+
+def router_bias_target(model_cfg: ConfigDict, mesh, rules):
+  """The sigmoid routers' biases (TrainState.router_bias) as `params_target` gives the
+  parameters; None for a model without them."""
+  _, abstract, shardings = state_shapes(model_cfg, optax.identity(), mesh, rules)
+  if abstract.router_bias is None:
+    return None
+  return restore_target(abstract.router_bias, shardings.router_bias)
 
 
 class StreamPositions(ocp.CheckpointHandler):
@@ -104,8 +116,12 @@ def _storage_failed(e: Exception) -> bool:
 
 
 def _check_model_shape(saved: dict, model_cfg: ConfigDict, where: str) -> None:
-  for field in SHAPE_FIELDS:  # a checkpoint saved before a field existed has its default
-    was, now = saved['model'].get(field, default_config().model[field]), model_cfg[field]
+  # A checkpoint saved before a field existed has its default.
+  saved_moe = {**default_config().model.moe.to_dict(), **saved['model'].get('moe', {})}
+  fields = [(f, saved['model'].get(f, default_config().model[f]), model_cfg[f])
+            for f in SHAPE_FIELDS]
+  fields += [(f'moe.{f}', saved_moe[f], model_cfg.moe[f]) for f in MOE_SHAPE_FIELDS]
+  for field, was, now in fields:
     if was != now:
       raise ConfigError(f'checkpoint {where} was saved with model.{field}={was!r} but this run '
                         f'has model.{field}={now!r}; use the same model shape, or start a new '
@@ -262,15 +278,27 @@ def saved_config(path: str, field: str = 'init_from') -> ConfigDict:
 def restore_params(path: str, target_params, model_cfg: ConfigDict, field: str = 'init_from'):
   """Parameters only, from a checkpoint directory (its newest step) or one step directory in
   it, laid out as `target_params` says: the start of a fine-tuning run."""
+  return _restore_state_item(path, 'params', target_params, model_cfg, field)
+
+
+def restore_router_bias(path: str, target, model_cfg: ConfigDict, field: str = 'init_from'):
+  """The sigmoid routers' biases, as `restore_params` the parameters: the model routes by
+  them, so fine-tuning and generating take them with the parameters."""
+  return _restore_state_item(path, 'router_bias', target, model_cfg, field)
+
+
+def _restore_state_item(path: str, item: str, target, model_cfg: ConfigDict, field: str):
+  """One item of the train state ('params', 'router_bias') of a checkpoint directory's newest
+  step or one step directory, laid out as `target` says."""
   manager, directory, step = _open_checkpoint(path, field)
   try:
     _check_model_shape(_saved_config(manager, step), model_cfg,
                        os.path.join(directory, str(step)))
     restored = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
-            item={'params': target_params},
-            restore_args={'params': ocp.checkpoint_utils.construct_restore_args(target_params)},
+            item={item: target},
+            restore_args={item: ocp.checkpoint_utils.construct_restore_args(target)},
             partial_restore=True)))
   finally:
     manager.close()
-  return restored.state['params']
+  return restored.state[item]

@@ -46,6 +46,10 @@ GATHER_MODES = ('step', 'iteration')
 ZERO_STAGES = (0, 1, 2)
 
 
+ROUTERS = ('softmax', 'sigmoid')  # model.moe.router
+DISPATCHES = ('ring', 'all_to_all')  # model.moe.dispatch
+
+
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')  # optim.schedule
 
 # Which config field sets the size of each logical parameter axis (for error messages).
@@ -60,6 +64,8 @@ AXIS_FIELDS = {
     'mlp': 'model.mlp_dim',
     'layers': 'model.num_layers',
     'norm': 'model.embed_dim',
+    'experts': 'model.moe.experts',
+    'expert_mlp': 'model.moe.mlp_dim',
 }
 
 
@@ -155,6 +161,36 @@ def default_config() -> ConfigDict:
       # attention itself, norms and loss keep `dtype`.
       fp8='none',
       fp8_history=1024,       # delayed: steps of amaxes each scale is taken from
+      # Mixture of experts (jaxllm.model.moe): the MLP of some layers becomes `experts` SwiGLU
+      # experts, each token sent to `top_k` of them by a router that computes in fp32.
+      moe=ConfigDict(dict(
+          experts=0,            # routed experts of an MoE layer; 0: every layer is dense
+          top_k=2,              # experts each token goes to
+          mlp_dim=0,            # each expert's hidden width; 0: model.mlp_dim
+          shared_experts=0,     # experts every token also goes through (DeepSeek, Qwen2-MoE)
+          shared_mlp_dim=0,     # each shared expert's hidden width; 0: moe.mlp_dim
+          # 'softmax': the top-k of the softmax (Mixtral, Qwen3-MoE); 'sigmoid': the top-k of
+          # sigmoid scores plus a bias that only selects (DeepSeek-V3's aux-loss-free
+          # balancing: the train step moves it by bias_rate·sign(mean load − load))
+          router='softmax',
+          renormalize=True,     # the top-k weights divided by their sum (Mixtral: always)
+          route_scale=1.0,      # the routed experts' output times this (DeepSeek-V3: 2.5)
+          bias_rate=0.001,      # sigmoid: the bias's step per update; 0 keeps it as it is
+          # load-balancing loss (transformers' load_balancing_loss_func) and router z-loss
+          # coefficients; the logged loss stays the cross-entropy
+          aux_loss=0.001,
+          z_loss=0.0,
+          first_dense=0,        # the first k layers keep the dense MLP (DeepSeek-V3: 3)
+          every=1,              # of the others, every n-th is MoE (Qwen3-MoE's decoder_sparse_step)
+          # 0: dropless; c: an expert takes at most ceil(c·N·top_k/experts) of the N tokens
+          # of each device, in order of preference (every token's first choice first)
+          capacity_factor=0.0,
+          # how tokens reach the experts split over sharding.rules.experts: 'ring' (all-gather
+          # the tokens, each device runs its experts, reduce-scatter the outputs) or
+          # 'all_to_all' (each device sends each token to its experts' devices and back)
+          dispatch='ring',
+          grouped_matmul='xla',  # the experts' grouped matmul (jaxllm.model.grouped_matmul)
+      )),
   ))
 
   # -1 means "whatever is left of the devices"; at most one axis may say so.
@@ -185,6 +221,10 @@ def default_config() -> ConfigDict:
       act_kv_heads=('tensor',),
       act_mlp=('tensor',),
       act_vocab=('tensor',),
+      # expert parallelism: an MoE layer's experts split over fsdp, each device running its
+      # own on the tokens routed to them; the experts' hidden units split over tensor
+      experts=('fsdp',),
+      expert_mlp=('tensor',),
   ))))
   # ZeRO over data, on top of what the rules split: 0 off; 1 the AdamW moments split over
   # data as well: the gradients' all-reduce becomes a reduce-scatter, each device updates its
@@ -311,6 +351,17 @@ def context_length(cfg: ConfigDict) -> int:
   return cfg.model.max_position or cfg.data.seq_len
 
 
+def moe_layers(model_cfg: ConfigDict) -> int:
+  """The layers with experts: after the first `moe.first_dense`, every `moe.every`-th."""
+  m = model_cfg.moe
+  return (model_cfg.num_layers - m.first_dense) // m.every if m.experts else 0
+
+
+def scan_units(model_cfg: ConfigDict) -> int:
+  """The steps of the layer scan over `blocks`, what a pipeline splits into stages: one per
+  layer, or with experts one per MoE layer (with the dense layers before it where moe.every
+  is n > 1); the first dense layers are a stack of their own."""
+  return moe_layers(model_cfg) or model_cfg.num_layers
 def layer_types(model_cfg: ConfigDict) -> tuple[str, ...]:
   """Each layer's attention type, 'full' or 'sliding': model.layer_types repeated over the
   model.num_layers layers."""

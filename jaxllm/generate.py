@@ -23,7 +23,8 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from jaxllm.backends import start_backends
-from jaxllm.checkpoint import params_target, restore_params, saved_config
+from jaxllm.checkpoint import (params_target, restore_params, restore_router_bias,
+                               router_bias_target, saved_config)
 from jaxllm.cli import main_guard
 from jaxllm.config import MESH_AXES, ConfigError, context_length, default_config
 from jaxllm.data.tokenizer import load_tokenizer
@@ -236,6 +237,10 @@ def main(argv: list[str]) -> None:
     rules = derive(model.rules, mesh.shape, model.cfg).rules
     model.params = restore_params(_CHECKPOINT.value, params_target(model.cfg, mesh, rules),
                                   model.cfg, '--checkpoint')
+    biases = router_bias_target(model.cfg, mesh, rules)
+    if biases is not None:  # sigmoid routers choose experts by them
+      model.params = nnx.merge_state(model.params, restore_router_bias(
+          _CHECKPOINT.value, biases, model.cfg, '--checkpoint'))
   new_ids = generate(model.cfg, model.params, [ids for ids, _ in prompts],
                      _MAX_NEW_TOKENS.value, greedy=sampling.greedy,
                      temperature=sampling.temperature, top_k=sampling.top_k,

@@ -8,10 +8,11 @@ import os
 import sys
 
 import jax
+import numpy as np
 from ml_collections import ConfigDict
 from tqdm import tqdm
 
-from jaxllm.config import ConfigError, layer_types
+from jaxllm.config import ConfigError, layer_types, moe_layers
 
 # Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s of one device, by a substring of its
 # `device_kind`, the first that matches: NVIDIA's datasheets for the H100 (SXM and PCIe), H200
@@ -28,7 +29,9 @@ PEAK_FLOPS = {
 
 
 def param_counts(m: ConfigDict) -> dict[str, int]:
-  """Parameters of the model, from its config (a test checks this against the model)."""
+  """Parameters of the model, from its config (a test checks this against the model):
+  'total'; 'active', those a token runs through (an MoE layer's router, top_k of its experts
+  and its shared ones); 'embedding'; 'flops', the active ones the FLOPs count."""
   D, N, K, H, F, V, L = (m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim,
                          m.vocab_size, m.num_layers)
   norms = 4 if m.post_norms else 2
@@ -36,10 +39,16 @@ def param_counts(m: ConfigDict) -> dict[str, int]:
                + (N + 2 * K) * H * m.qkv_bias + 2 * H * m.qk_norm)
   embedding = V * D
   head = 0 if m.tie_embeddings else D * V
-  total = embedding + L * per_layer + D + head
-  return {'total': total, 'embedding': embedding,
+  total = active = embedding + L * per_layer + D + head
+  moe = m.moe
+  if moe.experts:  # an MoE layer's router and experts in place of its MLP
+    F_e = moe.mlp_dim or F
+    shared = 3 * D * moe.shared_experts * (moe.shared_mlp_dim or F_e) - 3 * D * F
+    total += moe_layers(m) * (D * moe.experts + 3 * D * F_e * moe.experts + shared)
+    active += moe_layers(m) * (D * moe.experts + 3 * D * F_e * moe.top_k + shared)
+  return {'total': total, 'active': active, 'embedding': embedding,
           # The PaLM convention counts the output head (tied or not) but not the input lookup.
-          'flops': total if m.tie_embeddings else total - embedding}
+          'flops': active if m.tie_embeddings else active - embedding}
 
 
 def attended_keys(m: ConfigDict, seq_len: int) -> dict[str, float]:
@@ -66,6 +75,22 @@ def flops_per_token(m: ConfigDict, seq_len: int) -> dict[str, float]:
   keys = attended_keys(m, seq_len)
   attention = lambda convention: 12 * m.num_heads * m.head_dim * keys[convention]
   return {'full': dense + attention('full'), 'causal': dense + attention('causal')}
+
+
+def routing_row(steps: list[dict]) -> dict:
+  """The routers' entries of a logged row from its steps' metrics (`moe.routing_metrics`):
+  the means of the aux loss, z-loss and dropped fraction; the load of the most and least
+  loaded expert against an even share (1.0), in the layers where they are furthest from it
+  ('moe_load_max', 'moe_load_min'); and each expert's share of all assignments times the
+  experts ('moe_expert_load': 1 each when even), over the steps and MoE layers."""
+  load_UE = np.sum([s['moe_load'] for s in steps], axis=0)
+  even_U1 = np.maximum(load_UE.mean(axis=-1, keepdims=True), 1e-9)
+  load_E = load_UE.sum(axis=0)
+  row = {k: float(np.mean([s[k] for s in steps]))
+         for k in ('moe_aux_loss', 'moe_z_loss', 'moe_dropped')}
+  return {**row, 'moe_load_max': float((load_UE / even_U1).max()),
+          'moe_load_min': float((load_UE / even_U1).min()),
+          'moe_expert_load': [round(float(x), 4) for x in load_E / max(load_E.mean(), 1e-9)]}
 
 
 def peak_flops(device, override: float = 0.0) -> float | None:
@@ -95,7 +120,9 @@ class TensorBoard:
 
   def write(self, row: dict) -> None:
     for name, value in row.items():
-      if name != 'step':
+      if isinstance(value, list):  # one number per expert
+        self._writer.add_histogram(name, np.asarray(value), row['step'])
+      elif name != 'step':
         self._writer.add_scalar(name, value, row['step'])
     self._writer.flush()  # a row per logging interval: TensorBoard sees it at once
 
@@ -170,6 +197,10 @@ class MetricsLog:
              f'tokens/s {row["tokens_per_sec"]:,.0f}']
     if 'mfu' in row:
       parts.append(f'mfu {100 * row["mfu"]:.1f}%')
+    if 'moe_aux_loss' in row:
+      parts.append(f'experts: load {row["moe_load_min"]:.2f}–{row["moe_load_max"]:.2f}× even, '
+                   f'dropped {100 * row["moe_dropped"]:.1f}%, aux {row["moe_aux_loss"]:.4f}, '
+                   f'z {row["moe_z_loss"]:.3f}')
     if row.get('save_time'):
       parts.append(f'saved (blocked {row["save_time"]:.2f}s)')
     tqdm.write('  '.join(parts), file=sys.stdout)

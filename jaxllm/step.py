@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from jaxllm.model import Transformer, fp8, sequence_positions
+from jaxllm.model.moe import RouterBias, next_router_bias, router_losses, routing_metrics
 from jaxllm.optim import lr_schedule
 from jaxllm.parallel.mesh import (check_divisible, logical_spec, sharding_context,
                                   split_micro_batches)
@@ -29,22 +30,28 @@ class TrainState(NamedTuple):
                          # split over data as well under ZeRO (sharding.zero ≥ 1, `over_data`)
   fp8: fp8.Fp8State | None = None  # delayed FP8 scaling's scales and amax histories, laid out
                                    # as the blocks' parameters (model.fp8='delayed')
+  router_bias: nnx.State | None = None  # the sigmoid routers' biases (fp32), laid out as the
+                                        # blocks' parameters, moved by the step
+                                        # (model.moe.router='sigmoid')
 
 
 def split_model(model: Transformer):
-  """(graphdef, parameters, FP8 scales): the scales are empty but under delayed scaling."""
-  return nnx.split(model, nnx.Param, fp8.Fp8Scales)
+  """(graphdef, parameters, FP8 scales, router biases): the scales are empty but under
+  delayed scaling, the biases but with sigmoid routers."""
+  return nnx.split(model, nnx.Param, fp8.Fp8Scales, RouterBias)
 
 
 def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: int,
                pipeline: PipelineSpec | None):
   def create():
-    _, params, scales = split_model(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+    _, params, scales, biases = split_model(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
     if pipeline:
-      params, scales = to_stage_order((params, scales), pipeline.stages, pipeline.repeats)
+      params, scales, biases = to_stage_order((params, scales, biases), pipeline.stages,
+                                              pipeline.repeats)
     fp8_state = (fp8.initial_state(scales, model_cfg.fp8_history)
                  if model_cfg.fp8 == 'delayed' else None)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), fp8_state)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), fp8_state,
+                      biases if jax.tree.leaves(biases) else None)
   return create
 
 
@@ -57,7 +64,7 @@ def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, 
   Raises ConfigError when a sharded dimension does not split evenly over its mesh axes.
   """
   with sharding_context(mesh, rules):
-    graphdef, abstract_params, _ = split_model(
+    graphdef, abstract_params, _, _ = split_model(
         nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
     check_divisible(abstract_params, mesh)
     abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed, pipeline))
@@ -81,11 +88,15 @@ def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, ru
 
 
 def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None,
-               z_loss: float = 0.0, fp8_scales: nnx.State | None = None):
-  """(objective, (cross-entropy, tokens)): the objective and the next-token cross-entropy
-  summed over unmasked targets, and their count (fp32). The objective adds `z_loss`·log²Z.
-  `fp8_scales`: delayed FP8 scaling's (its gradient is the matmuls' amaxes)."""
-  model = nnx.merge(graphdef, params, *([] if fp8_scales is None else [fp8_scales]))
+               z_loss: float = 0.0, fp8_scales: nnx.State | None = None,
+               router_bias: nnx.State | None = None):
+  """(objective, (cross-entropy, tokens, routing)): the objective and the next-token
+  cross-entropy summed over unmasked targets, their count (fp32), and with experts the
+  routers' `RoutingSums` (else None). The objective adds `z_loss`·log²Z and the router losses
+  (`jaxllm.model.moe.router_losses`). `fp8_scales`: delayed FP8 scaling's (its gradient is
+  the matmuls' amaxes); `router_bias`: the sigmoid routers' (TrainState.router_bias)."""
+  model = nnx.merge(graphdef, params,
+                    *(s for s in (fp8_scales, router_bias) if s is not None))
   tokens_BT = batch['inputs']
   # Packed rows say where each token sits in its document; plain rows are one sequence each.
   positions_BT = batch.get('positions', sequence_positions(tokens_BT))
@@ -95,18 +106,22 @@ def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None,
     objective, ce = pipeline_loss(model.blocks, model.final_norm, model.head(), x_BTD,
                                   positions_BT, segment_ids_BT, batch['targets'],
                                   batch['mask'], pipeline, model.cfg, z_loss)
-    return objective, (ce, jnp.sum(batch['mask'].astype(jnp.float32)))
+    return objective, (ce, jnp.sum(batch['mask'].astype(jnp.float32)), None)
   if pipeline:
-    x_BTD = pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, pipeline,
-                            model.cfg)
+    x_BTD, stats = pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, pipeline,
+                                   model.cfg)
     # The loss is a sum over rows: it takes them in the pipeline's order.
     targets_BT, mask_BT = (stage_row_order(batch[k], pipeline.microbatches)
                            for k in ('targets', 'mask'))
   else:
-    x_BTD = model.layers(x_BTD, positions_BT, segment_ids_BT)
+    x_BTD, stats = model.layers(x_BTD, positions_BT, segment_ids_BT)
     targets_BT, mask_BT = batch['targets'], batch['mask']
   objective, ce = model.loss_sum(x_BTD, targets_BT, mask_BT, z_loss)
-  return objective, (ce, jnp.sum(mask_BT.astype(jnp.float32)))
+  tokens = jnp.sum(mask_BT.astype(jnp.float32))
+  if stats is None:
+    return objective, (ce, tokens, None)
+  router_objective, routing = router_losses(stats, model.cfg.moe, tokens)
+  return objective + router_objective, (ce, tokens, routing)
 
 
 def replicated_batch_axes(params) -> tuple[str, ...]:
@@ -131,7 +146,7 @@ def skip_if(skip, new, old):
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_batches: int,
                     pipeline: PipelineSpec | None = None, skip_nonfinite: bool = False,
-                    zero: int = 0, z_loss: float = 0.0):
+                    zero: int = 0, z_loss: float = 0.0, router_bias_rate: float = 0.0):
   """`train_step(state, batch) -> (state, metrics)`; the loss is the token mean over the batch.
 
   With `skip_nonfinite`, a step whose loss or gradients are not finite leaves params,
@@ -142,50 +157,56 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
   updates each device's slice of the parameters with its slice of the moments and
   all-gathers the result; 2 also keeps the gradient sum split over data, each micro-batch's
   gradients reduce-scattered into it. `z_loss` (optim.z_loss) adds z_loss·log²Z per token to
-  the objective; the loss in the metrics stays the cross-entropy.
+  the objective; the loss in the metrics stays the cross-entropy. With experts the metrics
+  hold the routers' (`routing_metrics`), and sigmoid routers' biases move by
+  `router_bias_rate` (model.moe.bias_rate, `next_router_bias`) after each step, outside the
+  optimizer (a skipped step leaves them too).
   """
   objective_grads = jax.value_and_grad(
-      lambda p, s, b: loss_terms(graphdef, p, b, pipeline, z_loss, s), argnums=(0, 1),
+      lambda p, s, r, b: loss_terms(graphdef, p, b, pipeline, z_loss, s, r), argnums=(0, 1),
       has_aux=True)
 
-  def grad_fn(params, scales, batch):
-    """((cross-entropy sum, tokens), the objective's gradients, the FP8 matmuls' amaxes (None
-    without delayed scaling))."""
-    (_, sums), (grads, amaxes) = objective_grads(params, scales, batch)
+  def grad_fn(params, scales, biases, batch):
+    """((cross-entropy sum, tokens, routing sums), the objective's gradients, the FP8 matmuls'
+    amaxes (None without delayed scaling)). `biases`: the sigmoid routers' (or None)."""
+    (_, sums), (grads, amaxes) = objective_grads(params, scales, biases, batch)
     return sums, grads, amaxes
 
-  def accumulate(params, scales, batch, micro_grads=grad_fn, specs=None):
-    """Summed gradients (fp32), the amaxes' maxima, summed loss and token count over the
-    micro-batches, in turn: `micro_grads(params, scales, micro_batch)` each, the gradients
-    kept in `specs`' layout (the params')."""
+  def accumulate(params, scales, biases, batch, micro_grads=grad_fn, specs=None):
+    """Summed gradients (fp32), the amaxes' maxima, and the summed (loss, token count, routing
+    sums) over the micro-batches, in turn: `micro_grads(params, scales, biases, micro_batch)`
+    each, the gradients kept in `specs`' layout (the params')."""
     specs = nnx.get_partition_spec(params) if specs is None else specs
     pin = lambda g: jax.lax.with_sharding_constraint(g, specs)
     # fp32 whatever the parameters' dtype: bf16 sums of many micro-batches lose the small ones,
     # and so would the all-reduce over data of one micro-batch's (`gradients`)
     if micro_batches == 1:
-      (loss_sum, tokens), grads, amaxes = micro_grads(params, scales, batch)
-      return pin(jax.tree.map(lambda g: g.astype(jnp.float32), grads)), amaxes, loss_sum, tokens
+      sums, grads, amaxes = micro_grads(params, scales, biases, batch)
+      return pin(jax.tree.map(lambda g: g.astype(jnp.float32), grads)), amaxes, sums
 
     def add_micro_batch(carry, micro_batch):
-      grads, amaxes, loss_sum, tokens = carry
-      (mb_loss, mb_tokens), mb_grads, mb_amaxes = micro_grads(params, scales, micro_batch)
+      grads, amaxes, sums = carry
+      mb_sums, mb_grads, mb_amaxes = micro_grads(params, scales, biases, micro_batch)
       grads = pin(jax.tree.map(jnp.add, grads, mb_grads))
       amaxes = jax.tree.map(jnp.maximum, amaxes, mb_amaxes)
-      return (grads, amaxes, loss_sum + mb_loss, tokens + mb_tokens), None
+      return (grads, amaxes, jax.tree.map(jnp.add, sums, mb_sums)), None
 
     zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     no_amaxes = jax.tree.map(jnp.zeros_like, scales)
     micro = jax.tree.map(lambda x: split_micro_batches(x, micro_batches), batch)
-    carry, _ = jax.lax.scan(add_micro_batch,
-                            (zeros, no_amaxes, jnp.float32(0), jnp.float32(0)), micro)
+    routing = jax.eval_shape(lambda: loss_terms(graphdef, params, jax.tree.map(
+        lambda x: x[0], micro), pipeline, z_loss, scales, biases)[1][2])
+    no_sums = (jnp.float32(0), jnp.float32(0),
+               jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), routing))
+    carry, _ = jax.lax.scan(add_micro_batch, (zeros, no_amaxes, no_sums), micro)
     return carry
 
   def reduced(axes):
     """Sums over `axes` but for the amaxes (the second entry), which take their maximum."""
-    return lambda grads, amaxes, *sums: (jax.lax.psum(grads, axes),
-                                         jax.lax.pmax(amaxes, axes), *jax.lax.psum(sums, axes))
+    return lambda grads, amaxes, sums: (jax.lax.psum(grads, axes),
+                                        jax.lax.pmax(amaxes, axes), jax.lax.psum(sums, axes))
 
-  def gradients(params, scales, batch):
+  def gradients(params, scales, biases, batch):
     """`accumulate` over the whole batch. Over the batch axes whose devices hold whole
     parameters (data), each device accumulates its own rows' gradients in fp32, and the sums
     are all-reduced once, after the last micro-batch: left to the compiler, they would be
@@ -193,50 +214,57 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule, micro_
     stay with the compiler inside. ZeRO-2 reduces per micro-batch on purpose: `split_sum`."""
     axes = replicated_batch_axes(params)
     if not axes:
-      return accumulate(params, scales, batch)
+      return accumulate(params, scales, biases, batch)
     if zero == 2 and micro_batches > 1 and 'data' in axes:
-      return split_sum(params, scales, batch, axes)
+      return split_sum(params, scales, biases, batch, axes)
     summed = lambda *args: reduced(axes)(*accumulate(*args))
-    return jax.shard_map(summed, in_specs=(P(), P(), P(axes)), out_specs=P(),
-                         axis_names=set(axes), check_vma=False)(params, scales, batch)
+    return jax.shard_map(summed, in_specs=(P(), P(), P(), P(axes)), out_specs=P(),
+                         axis_names=set(axes), check_vma=False)(params, scales, biases, batch)
 
-  def split_sum(params, scales, batch, axes):
+  def split_sum(params, scales, biases, batch, axes):
     """ZeRO-2's `gradients`: the fp32 sum split over data as the moments are, each
     micro-batch's gradients all-reduced over the batch axes and sliced into it, which the
     compilers make a reduce-scatter. (A psum_scatter inside the shard_map would first gather
     the shards of the axes left to the compiler.)"""
     param_specs = nnx.get_partition_spec(params)
 
-    def summed(params, scales, micro_batch):
-      (loss_sum, tokens), grads, amaxes = grad_fn(params, scales, micro_batch)
+    def summed(params, scales, biases, micro_batch):
+      sums, grads, amaxes = grad_fn(params, scales, biases, micro_batch)
       grads = jax.lax.with_sharding_constraint(grads, param_specs)
       grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-      grads, amaxes, loss_sum, tokens = reduced(axes)(grads, amaxes, loss_sum, tokens)
-      return (loss_sum, tokens), grads, amaxes
+      grads, amaxes, sums = reduced(axes)(grads, amaxes, sums)
+      return sums, grads, amaxes
 
-    micro_grads = jax.shard_map(summed, in_specs=(P(), P(), P(axes)), out_specs=P(),
+    micro_grads = jax.shard_map(summed, in_specs=(P(), P(), P(), P(axes)), out_specs=P(),
                                 axis_names=set(axes), check_vma=False)
-    return accumulate(params, scales, batch, micro_grads, zero_specs(params))
+    return accumulate(params, scales, biases, batch, micro_grads, zero_specs(params))
 
   def train_step(state: TrainState, batch):
     # Under ZeRO the moments' layout (split over data: `state_shapes`) alone makes the
     # all-reduce of the sums a reduce-scatter, the update run on each device's slice and the
     # new parameters all-gathered: pinning grads and updates to it too compiles the same program.
     scales = None if state.fp8 is None else state.fp8.scales
-    grads, amaxes, loss_sum, tokens = gradients(state.params, scales, batch)
+    grads, amaxes, (loss_sum, tokens, routing) = gradients(state.params, scales,
+                                                           state.router_bias, batch)
     tokens = jnp.maximum(tokens, 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     fp8_state = None if state.fp8 is None else fp8.next_delayed_state(state.fp8, amaxes)
+    router_bias = state.router_bias
+    if router_bias is not None and router_bias_rate:
+      router_bias = next_router_bias(router_bias, routing.load_UE, router_bias_rate)
     loss, grad_norm = loss_sum / tokens, optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
-      params, opt_state, fp8_state = (
+      params, opt_state, fp8_state, router_bias = (
           skip_if(~finite, new, old) for new, old in
-          ((params, state.params), (opt_state, state.opt_state), (fp8_state, state.fp8)))
+          ((params, state.params), (opt_state, state.opt_state), (fp8_state, state.fp8),
+           (router_bias, state.router_bias)))
     metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule(state.step), finite=finite)
-    return TrainState(state.step + 1, params, opt_state, fp8_state), metrics
+    if routing is not None:
+      metrics.update(routing_metrics(routing, tokens))
+    return TrainState(state.step + 1, params, opt_state, fp8_state, router_bias), metrics
 
   return train_step
 
@@ -246,4 +274,4 @@ def train_step_for(cfg: ConfigDict, graphdef, tx: optax.GradientTransformation,
   """`make_train_step` as the config sets it up (for train and analyze alike)."""
   return make_train_step(graphdef, tx, lr_schedule(cfg.optim, cfg.train.steps),
                          cfg.train.micro_batches, pipeline, cfg.train.skip_nonfinite,
-                         cfg.sharding.zero, cfg.optim.z_loss)
+                         cfg.sharding.zero, cfg.optim.z_loss, cfg.model.moe.bias_rate)

@@ -24,14 +24,14 @@ from ml_collections import ConfigDict
 from jaxllm import distributed, hf, metrics
 from jaxllm.backends import (compiler_options, counting_cache_hits, start_backends,
                              use_compilation_cache)
-from jaxllm.checkpoint import Checkpoints, restore_params, restore_target
+from jaxllm.checkpoint import Checkpoints, restore_params, restore_router_bias, restore_target
 from jaxllm.cli import main_guard, parse_command_line
-from jaxllm.config import TrainingError, default_config
+from jaxllm.config import TrainingError, default_config, moe_layers
 from jaxllm.data import Streams, make_batches, make_eval_batches
 from jaxllm.model import fp8, with_available_attention
 from jaxllm.optim import make_optimizer, warmup_steps
 from jaxllm.parallel.mesh import host_split, hosts, make_mesh, sharding_context
-from jaxllm.parallel.rules import Layout, derive, mesh_axes
+from jaxllm.parallel.rules import Layout, derive, mesh_axes, parts
 from jaxllm.pipeline.spec import (PipelineSpec, from_stage_order, pipeline_spec, residual_items,
                                   to_stage_order)
 from jaxllm.step import TrainState, init_state, loss_terms, state_shapes, train_step_for
@@ -132,17 +132,24 @@ def _initial_state(cfg: ConfigDict, mesh, layout: Layout, tx, pipeline: Pipeline
                           f'{checkpoints.directory}')
     if cfg.init_from:
       target = restore_target(abstract.params, shardings.params)
+      biases = None  # the sigmoid routers': zeros unless the checkpoint has them
       if cfg.init_from.startswith('hf:'):  # a Hugging Face checkpoint directory
         params = hf.load_params(cfg.init_from[len('hf:'):], target, cfg.model)
       else:
         params = restore_params(cfg.init_from, target, cfg.model)
+        if abstract.router_bias is not None:  # they route to the parameters: they go together
+          biases = restore_router_bias(
+              cfg.init_from, restore_target(abstract.router_bias, shardings.router_bias),
+              cfg.model)
 
-      def fresh_optimizer(params):
-        params = to_stage_order(params, *stages)
+      def fresh_optimizer(params, biases):
+        if biases is None:
+          biases = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract.router_bias)
+        params, biases = to_stage_order((params, biases), *stages)
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                          fp8.initial_state_like(abstract.fp8))
+                          fp8.initial_state_like(abstract.fp8), biases)
 
-      state = jax.jit(fresh_optimizer, out_shardings=shardings)(params)
+      state = jax.jit(fresh_optimizer, out_shardings=shardings)(params, biases)
       return state, f'parameters from {cfg.init_from}, fresh optimizer state'
   _, state, _ = init_state(cfg.model, tx, mesh, rules, cfg.train.seed, pipeline, layout.zero)
   return state, f'initialised from train.seed={cfg.train.seed}'
@@ -186,6 +193,16 @@ def describe(cfg: ConfigDict, mesh: jax.sharding.Mesh, layout: Layout,
       + (f' split over data, ZeRO-{layout.zero}' if layout.zero else '')
       + f'), attention {m.attention}, remat {m.remat}'
       + (f', layer matmuls in FP8 ({m.fp8} scaling)' if m.fp8 != 'none' else '')]
+  moe = m.moe
+  if moe.experts:
+    axes = layout.rules['experts']
+    split = '×'.join(f'{a}={mesh.shape[a]}' for a in axes) or 'no axis'
+    lines.append(
+        f'experts  {moe.experts} in {moe_layers(m)} of {m.num_layers} layers, top-{moe.top_k} '
+        f'{moe.router} router' + (f', {moe.shared_experts} shared' if moe.shared_experts else '')
+        + f'; {params["active"] / 1e6:,.2f}M parameters active per token; split over {split} '
+        f'({moe.experts // parts(axes, mesh.shape)} per device), {moe.dispatch} dispatch, '
+        + (f'capacity factor {moe.capacity_factor}' if moe.capacity_factor else 'dropless'))
   if isinstance(batches, Streams):
     lines.append(f'data     read as {batches.streams} stream(s) of '
                  f'{t.global_batch // batches.streams} rows per batch (data.streams)')
@@ -299,7 +316,8 @@ def evaluate(run: Run, eval_step, state: TrainState) -> dict[str, float]:
   """Token-mean loss and perplexity over the eval split's batches."""
   with sharding_context(run.mesh, run.layout.rules):
     scales = None if state.fp8 is None else state.fp8.scales
-    sums = [eval_step(state.params, scales, batch) for batch in run.eval_batches()]
+    sums = [eval_step(state.params, scales, state.router_bias, batch)
+            for batch in run.eval_batches()]
   loss_sum, tokens = np.sum(jax.device_get(sums), axis=0)
   loss = float(loss_sum / max(tokens, 1.0))
   return {'eval_loss': loss, 'eval_perplexity': float(np.exp(loss))}
@@ -350,6 +368,8 @@ def _interval_row(run: Run, step: int, values: list[dict], seconds: float,
          'data_time': data_seconds / len(values),
          'save_time': save_seconds,
          'tokens_per_sec': cfg.train.global_batch * cfg.data.seq_len / step_time}
+  if 'moe_load' in good[0]:
+    row.update(metrics.routing_row(good))
   peak = metrics.peak_flops(run.mesh.devices.flat[0], cfg.train.peak_flops)
   if peak:
     flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
@@ -365,8 +385,9 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
   step `stop(step)` is true for; `trace` profiles the steps it asks for."""
   cfg, ckpt = run.cfg, run.checkpoints
   eval_step = jax.jit(
-      lambda params, fp8_scales, batch: loss_terms(run.graphdef, params, batch, run.pipeline,
-                                                   fp8_scales=fp8_scales)[1],
+      lambda params, fp8_scales, router_bias, batch: loss_terms(
+          run.graphdef, params, batch, run.pipeline, fp8_scales=fp8_scales,
+          router_bias=router_bias)[1][:2],
       compiler_options=compiler_options(cfg.model, run.mesh.devices.flat[0].platform,
                                         run.pipeline is not None))
 

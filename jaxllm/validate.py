@@ -9,13 +9,14 @@ import math
 
 from ml_collections import ConfigDict
 
-from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DTYPES, FP8_RECIPES,
-                           GATHER_MODES, LAYER_TYPES, MESH_AXES, MLP_ACTIVATIONS,
+from jaxllm.config import (ATTENTION_IMPLS, DATA_FORMATS, DATA_SOURCES, DISPATCHES, DTYPES,
+                           FP8_RECIPES, GATHER_MODES, LAYER_TYPES, MESH_AXES, MLP_ACTIVATIONS,
                            ONE_F_ONE_B_SCHEDULES, PIPELINE_SCHEDULES, REMAT_POLICIES,
-                           ROPE_SCALINGS, ROUND_TRIP_SCHEDULES, SCHEDULES, ZERO_STAGES, ConfigError,
-                           layer_types, pipeline_shape)
+                           ROPE_SCALINGS, ROUND_TRIP_SCHEDULES, ROUTERS, SCHEDULES, ZERO_STAGES,
+                           ConfigError, layer_types, pipeline_shape, scan_units)
 from jaxllm.model import LOGICAL_SHAPES
-from jaxllm.parallel.rules import batch_shards, collision, mesh_axes
+from jaxllm.model.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMULS
+from jaxllm.parallel.rules import batch_shards, collision, mesh_axes, parts
 
 def resolve_mesh(mesh_cfg: ConfigDict, num_devices: int) -> dict[str, int]:
   """Mesh axis sizes with a -1 filled in; errors when they do not cover the devices."""
@@ -95,6 +96,7 @@ def validate(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
       raise ConfigError(f'model.{field}={m[field]} must be a positive number.')
   _validate_rope_scaling(m.rope_scaling)
   _validate_block_options(m)
+  _validate_moe(cfg, mesh_shape)
   if m.loss_chunk < 0 or (m.loss_chunk and cfg.data.seq_len > m.loss_chunk and
                           cfg.data.seq_len % m.loss_chunk):
     raise ConfigError(f'model.loss_chunk={m.loss_chunk} must divide data.seq_len='
@@ -315,9 +317,13 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
     plain = ROUND_TRIP_SCHEDULES[p.schedule]
     raise ConfigError(f"pipeline.repeats={R}: the {p.schedule} schedule needs repeats ≥ 2 "
                       f"(or use pipeline.schedule='{plain}').")
-  if cfg.model.num_layers % (S * R):
-    raise ConfigError(f'model.num_layers={cfg.model.num_layers} is not divisible by '
-                      f'pipe×repeats = {S}×{R}; change the layers, mesh.pipe or pipeline.repeats.')
+  units = scan_units(cfg.model)
+  if units % (S * R):
+    what = (f'model.num_layers={units}' if units == cfg.model.num_layers else
+            f'the scanned MoE layers (model.num_layers={cfg.model.num_layers} after '
+            f'model.moe.first_dense, in groups of model.moe.every: {units})')
+    raise ConfigError(f'{what} is not divisible by pipe×repeats = {S}×{R}; change the layers, '
+                      'mesh.pipe or pipeline.repeats.')
   if p.schedule in ('gpipe', 'circular') and (M < S or M % S):
     raise ConfigError(f'pipeline.microbatches={M} is not a multiple of mesh.pipe={S}: each stage '
                       f'runs the output head on M/S of them; use {S}, {2 * S} (a smaller bubble) '
@@ -341,6 +347,68 @@ def _validate_pipeline(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
         f'{cfg.train.micro_batches}) is not divisible by pipeline.microbatches×'
         f'{_batch_split(cfg)} = {M}×{shards}; make it a multiple of '
         f'{M * shards * cfg.train.micro_batches} or change pipeline.microbatches.')
+
+
+def _validate_moe(cfg: ConfigDict, mesh_shape: dict[str, int]) -> None:
+  """model.moe: its ranges and choices, its layers, its experts against the devices the rules
+  split them over, and what it does not combine with."""
+  m, moe, rules = cfg.model, cfg.model.moe, cfg.sharding.rules
+  if moe.experts < 0:
+    raise ConfigError(f'model.moe.experts={moe.experts} must be at least 0 (0: dense layers).')
+  if not moe.experts:
+    return
+  if not 1 <= moe.top_k <= moe.experts:
+    raise ConfigError(f'model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts='
+                      f'{moe.experts}; lower top_k or raise experts.')
+  for field in ('mlp_dim', 'shared_experts', 'shared_mlp_dim', 'first_dense'):
+    if moe[field] < 0:
+      raise ConfigError(f'model.moe.{field}={moe[field]} must be at least 0.')
+  if moe.every < 1:
+    raise ConfigError(f'model.moe.every={moe.every} must be at least 1 (1: every layer after '
+                      'model.moe.first_dense has experts).')
+  _choice(moe.router, 'model.moe.router', ROUTERS)
+  _choice(moe.dispatch, 'model.moe.dispatch', DISPATCHES)
+  _choice(moe.grouped_matmul, 'model.moe.grouped_matmul', GROUPED_MATMULS)
+  if not (math.isfinite(moe.capacity_factor) and moe.capacity_factor >= 0):
+    raise ConfigError(f'model.moe.capacity_factor={moe.capacity_factor} must be at least 0 '
+                      '(0: dropless; e.g. 1.25: each expert takes 1.25× an even share).')
+  for field in ('aux_loss', 'z_loss', 'bias_rate'):
+    if not (math.isfinite(moe[field]) and moe[field] >= 0):
+      raise ConfigError(f'model.moe.{field}={moe[field]} must be at least 0 (0: off).')
+  if not (math.isfinite(moe.route_scale) and moe.route_scale > 0):
+    raise ConfigError(f'model.moe.route_scale={moe.route_scale} must be a positive number.')
+  if moe.first_dense >= m.num_layers:
+    raise ConfigError(f'model.moe.first_dense={moe.first_dense} leaves no layer of '
+                      f'model.num_layers={m.num_layers} for the experts; lower it, or set '
+                      'model.moe.experts=0 for a dense model.')
+  if (m.num_layers - moe.first_dense) % moe.every:
+    raise ConfigError(f'model.num_layers={m.num_layers} less model.moe.first_dense='
+                      f'{moe.first_dense} is not a multiple of model.moe.every={moe.every}: '
+                      'the layers after the first dense ones come in groups of every, the last '
+                      'with experts; change one of them.')
+  # A mesh axis in both experts and expert_mlp (or layers) is the rules' check's.
+  experts_axes = mesh_axes(rules.experts)
+  ep = parts(experts_axes, mesh_shape)
+  if moe.experts % ep:
+    split = '×'.join(f'{a}={mesh_shape[a]}' for a in experts_axes)
+    raise ConfigError(f'model.moe.experts={moe.experts} does not split over the {ep} '
+                      f'expert-parallel devices (sharding.rules.experts={experts_axes}: {split}); '
+                      f'make it a multiple of {ep}, or change the mesh or sharding.rules.experts.')
+  if len(set(layer_types(m))) > 1:  # the expert stacks carry no per-layer attention type
+    raise ConfigError(f'model.layer_types={tuple(m.layer_types)} mixes full and sliding layers, '
+                      f'which is not built for experts (model.moe.experts={moe.experts}); make '
+                      "every layer 'full', or every layer 'sliding' (a window everywhere).")
+  if m.fp8 != 'none':
+    raise ConfigError(f"model.fp8='{m.fp8}' is not built for experts (model.moe.experts="
+                      f"{moe.experts}); use model.fp8='none'.")
+  if mesh_shape['pipe'] > 1:
+    if cfg.pipeline.schedule in ONE_F_ONE_B_SCHEDULES:
+      raise ConfigError(f"pipeline.schedule='{cfg.pipeline.schedule}' is not built for experts "
+                        f"(model.moe.experts={moe.experts}); use schedule 'gpipe' or 'circular'.")
+    if moe.first_dense:
+      raise ConfigError(f'model.moe.first_dense={moe.first_dense} is not built for pipelines '
+                        f'(mesh.pipe={mesh_shape["pipe"]}): the first dense layers are a stack '
+                        'of their own; set it to 0 or mesh.pipe=1.')
 
 
 def _validate_pipe_rules(rules: ConfigDict, stages: int) -> None:

@@ -103,3 +103,26 @@ def test_loading_a_config_starts_no_backend(tmp_path):
   assert all(line.endswith(' False') for line in out), out
   # The attention path is left for start-up to choose on the run's devices.
   assert out[-1] == f'{recipe} cudnn False'
+
+
+# (total, active per token) parameters of the released mixtures of experts.
+PUBLISHED_MOE = {
+    'mixtral_8x7b': (46_702_792_704, 12_879_925_248),
+    'qwen3_30b_a3b': (30_532_122_624, 3_353_032_704),
+}
+
+
+@pytest.mark.parametrize('name', PUBLISHED_MOE)
+def test_published_mixture_of_experts_has_its_parameters(name):
+  """The model built from the config holds the release's parameters, and the count the FLOPs
+  use (active: the router, top_k of each layer's experts) is the release's activated size:
+  Mixtral 12.9B of 46.7B, Qwen3-30B-A3B 3.3B of 30.5B."""
+  cfg = load_config(os.path.join(REPO, 'configs', f'{name}.py'))
+  cfg.mesh.update(data=2, fsdp=-1, tensor=2)
+  mesh = make_mesh(resolve_mesh(cfg.mesh, jax.device_count()))
+  _, abstract, _ = state_shapes(cfg.model, make_optimizer(cfg.optim, cfg.train.steps), mesh,
+                                cfg.sharding.rules)
+  total, active = PUBLISHED_MOE[name]
+  assert sum(x.size for x in jax.tree.leaves(abstract.params)) == total
+  counts = param_counts(cfg.model)
+  assert (counts['total'], counts['active']) == (total, active)

@@ -322,15 +322,16 @@ def test_a_model_no_family_computes_is_not_exported(fields, message, tmp_path):
 
 
 def test_an_unsupported_architecture_names_the_supported_ones(tmp_path):
-  (tmp_path / 'config.json').write_text(json.dumps(dict(model_type='mixtral',
-                                                        architectures=['MixtralForCausalLM'])))
+  (tmp_path / 'config.json').write_text(json.dumps(dict(model_type='phi3',
+                                                        architectures=['Phi3ForCausalLM'])))
   with pytest.raises(ConfigError) as error:
     hf.model_config(str(tmp_path))
   message = str(error.value)
-  assert "model_type='mixtral'" in message and '\n' not in message
+  assert "model_type='phi3'" in message and '\n' not in message
   assert re.findall(r'(\w+ForCausalLM) \((\w+)\)', message) == [
       ('LlamaForCausalLM', 'llama'), ('Qwen2ForCausalLM', 'qwen2'), ('Qwen3ForCausalLM', 'qwen3'),
-      ('MistralForCausalLM', 'mistral'), ('Gemma3ForCausalLM', 'gemma3_text')]
+      ('MistralForCausalLM', 'mistral'), ('Gemma3ForCausalLM', 'gemma3_text'),
+      ('MixtralForCausalLM', 'mixtral'), ('Qwen3MoeForCausalLM', 'qwen3_moe')]
 
 
 def test_param_counts_match_each_familys_model(one_device):

@@ -279,7 +279,8 @@ BAD_INPUTS = {
     'not a family': (lambda d: _edit_config(d, model_type='gpt2',
                                             architectures=['GPT2LMHeadModel']),
                      "model_type='gpt2'.* is not supported; jaxllm reads and writes "
-                     r'LlamaForCausalLM \(llama\), Qwen2ForCausalLM'),
+                     r'LlamaForCausalLM \(llama\), Qwen2ForCausalLM.*MixtralForCausalLM '
+                     r'\(mixtral\), Qwen3MoeForCausalLM \(qwen3_moe\)'),
     'soft-capping': (lambda d: _edit_config(d, final_logit_softcapping=30.0),
                      r'final_logit_softcapping=30\.0 is not supported'),
     'no weights': (lambda d: os.remove(d / 'model.safetensors'), r'holds no \*\.safetensors'),

@@ -124,7 +124,7 @@ def stack_config():
 
 def plain(graphdef, params, x_BTD, positions_BT, segment_ids_BT, targets_BT, mask_BT):
   model = nnx.merge(graphdef, params)
-  return model.loss_sum(model.layers(x_BTD, positions_BT, segment_ids_BT), targets_BT, mask_BT,
+  return model.loss_sum(model.layers(x_BTD, positions_BT, segment_ids_BT)[0], targets_BT, mask_BT,
                         Z_LOSS)
 
 

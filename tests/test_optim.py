@@ -101,7 +101,7 @@ def test_a_skipped_step_advances_the_schedule_not_adam():
     state, row = run.train_step(state, bad)
     assert not row['finite']
     state, row = run.train_step(state, good)
-    grads, (_, tokens) = jax.grad(lambda p: loss_terms(run.graphdef, p, good), has_aux=True)(
+    grads, (_, tokens, _) = jax.grad(lambda p: loss_terms(run.graphdef, p, good), has_aux=True)(
         after_one.params)
   assert row['finite'] and float(row['lr']) == pytest.approx(float(lr_schedule(cfg.optim, 3)(2)))
 

@@ -51,7 +51,7 @@ def plain_stack():
   """The reference: the scanned layer stack on one device."""
   mesh = make_mesh(dict(data=1, fsdp=1, pipe=1, tensor=1), jax.devices()[:1])
   return loss_and_grads(stack_config(), mesh,
-                        lambda g, p, x, pos, seg: nnx.merge(g, p).layers(x, pos, seg))
+                        lambda g, p, x, pos, seg: nnx.merge(g, p).layers(x, pos, seg)[0])
 
 
 # Remat inside the pipeline: per layer under GPipe, and under circular also a checkpoint per
@@ -74,7 +74,8 @@ def test_pipeline_equals_plain_stack(stages, repeats, microbatches, remat, plain
     # The pipeline stores circular layers stage-major; converting inside the loss returns
     # the gradients in layer order, comparable with the reference.
     model = nnx.merge(graphdef, to_stage_order(params, stages, repeats))
-    return pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, spec, model.cfg)
+    return pipeline_layers(model.blocks, x_BTD, positions_BT, segment_ids_BT, spec,
+                           model.cfg)[0]
 
   (loss, grads), (ref_loss, ref_grads) = loss_and_grads(cfg, mesh, pipelined), plain_stack
   assert np.isfinite(loss)

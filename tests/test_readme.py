@@ -158,6 +158,7 @@ GENERATE_HF = 'test_generate_from_a_hugging_face_checkpoint'
 PRETOKENIZE = 'test_pretokenize_then_train_on_the_shards'
 ERRORS = 'test_the_error_examples_are_what_their_configs_print'
 ANALYZE = 'test_analyze_and_tune_as_printed'
+MOE = 'test_the_tiny_moe_trains_and_reports_its_experts'
 
 INSTALL_AND_TRAIN = 'pip install -e ".[dev]" && python -m jaxllm.train --config configs/tiny.py'
 PROFILE = ('python -m jaxllm.train --config configs/tiny.py --config.profile.start_step=10 '
@@ -181,6 +182,10 @@ CHAT_BLOCK = ('json: {"messages": [{"role": "system", "content": "Answer briefly
               '"user", "content": "What splits the batch?"}, {"role": "assistant", "content": '
               '"data and fsdp."}]}')
 LOG_BLOCK = 'text: devices 8 × cpu mesh data=2 fsdp=2 pipe=1 tensor=2'
+TINY_MOE = 'python -m jaxllm.train --config configs/tiny_moe.py'
+TINY_MOE_ALL_TO_ALL = TINY_MOE + ' --config.model.moe.dispatch=all_to_all'
+MOE_LOG_BLOCK = ('text: experts 8 in 4 of 4 layers, top-2 sigmoid router; 0.58M parameters active '
+                 'per token; split over fsdp=8 (1 per device), ring dispatch, dropless')
 ERROR_BLOCK = ('text: error: train.global_batch=6 is not divisible by data×fsdp×micro_batches = '
                '4×1; make it a multiple of 4 or change train.micro_batches.')
 
@@ -238,6 +243,11 @@ TABLE = {
     '"--config.sharding.rules.batch=(\'data\',)"': run_by(TRAIN_ALONE),
     'python -m jaxllm.train --config configs/tiny.py --config.model.num_kv_heads=1':
         run_by(TRAIN_ALONE),
+    # Mixture of experts
+    TINY_MOE: run_by(MOE),
+    TINY_MOE_ALL_TO_ALL: run_by(MOE),
+    MOE_LOG_BLOCK: run_by(MOE, note="the tiny MoE run's experts line is printed as it stands; the "
+                          'step lines are a run of 2 cores'),
     # Batch vocabulary
     ERROR_BLOCK: run_by(ERRORS, note='error messages: the configs that print them are run'),
     # See before you launch
@@ -550,6 +560,49 @@ def test_train_command_runs_as_printed(key, tmp_path):
     assert 'pipeline gpipe: S=2 stages × R=1 repeats, M=4 micro-batches' in result.stdout
     losses = [r['loss'] for r in metric_rows(workdir) if 'loss' in r]
     assert losses[-1] < losses[0] - 0.5
+
+
+MOE_STEPS = 30
+
+
+@pytest.mark.slow
+def test_the_tiny_moe_trains_and_reports_its_experts(tmp_path):
+  """configs/tiny_moe.py, MOE_STEPS steps: the loss falls, the log prints the README's (and
+  docs/moe.md's) experts line, and metrics.jsonl and TensorBoard hold the routers' figures.
+  Then one step with the all-to-all dispatch."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  cwd = readme_cwd(tmp_path)
+  shorten = [f'--config.train.steps={MOE_STEPS}', '--config.checkpoint.every=0',
+             '--config.eval.every=0']  # the warmup of 10 stays
+  result = run_readme(TINY_MOE, cwd, shorten=shorten)
+  experts_line = readme_block(MOE_LOG_BLOCK).lines[0]
+  assert experts_line in result.stdout.splitlines()
+  with open(os.path.join(REPO, 'docs', 'moe.md')) as f:  # docs/moe.md prints it too
+    assert experts_line in f.read().splitlines()
+  workdir = os.path.join(cwd, 'runs', 'tiny_moe')
+  assert_trained(workdir, MOE_STEPS)
+  rows = [r for r in metric_rows(workdir) if 'loss' in r]
+  assert rows[-1]['loss'] < rows[0]['loss'] - 1.0, rows
+  for row in rows:
+    assert row['moe_dropped'] == 0 and row['moe_load_min'] <= 1 <= row['moe_load_max']
+    assert abs(row['moe_aux_loss'] - 2) < 0.5 and row['moe_z_loss'] > 0  # about top-k
+    assert len(row['moe_expert_load']) == 8
+    np.testing.assert_allclose(np.mean(row['moe_expert_load']), 1, rtol=1e-3)
+  assert 'experts: load ' in result.stdout
+  events = EventAccumulator(os.path.join(workdir, 'tensorboard'),
+                            size_guidance={'scalars': 0, 'histograms': 0})
+  events.Reload()
+  assert {'moe_aux_loss', 'moe_z_loss', 'moe_dropped', 'moe_load_max', 'moe_load_min'} <= set(
+      events.Tags()['scalars'])
+  assert [e.step for e in events.Histograms('moe_expert_load')] == [r['step'] for r in rows]
+
+  shorten = [*steps(1), '--config.checkpoint.every=0', '--config.eval.every=0']
+  words, argv = readme_argv(TINY_MOE_ALL_TO_ALL, shorten=shorten)
+  other = tmp_path / 'all_to_all'
+  other.mkdir()
+  run(argv, readme_cwd(other))
+  assert_trained(other / 'runs' / 'tiny_moe', 1)
+  assert_overrides_in_config_json(words, other / 'runs' / 'tiny_moe', shorten)
 
 
 def recipe_config(directory, checkpoint) -> str:

@@ -122,9 +122,10 @@ def test_the_logical_shapes_validation_checks_are_every_one_a_step_lays_out(monk
   model lays out (some entry has all of its logical names): its parameters', as the model
   names them, and every layout asked for by logical names (`logical_spec`) while train steps
   are traced: plain; with the sequence split (context and sequence parallelism, collective
-  matmuls); and pipelined by GPipe (weights gathered per iteration) and 1F1B. A layout the
-  list lacks fails here, before a rule can split it twice unchecked. (The decode step's KV
-  cache is laid out by `KV_CACHE_AXES`, which the list names.)"""
+  matmuls); pipelined by GPipe (weights gathered per iteration) and 1F1B; and with experts,
+  plain and pipelined. A layout the list lacks fails here, before a rule can split it twice
+  unchecked. (The decode step's KV cache is laid out by `KV_CACHE_AXES`, which the list
+  names.)"""
   asked = set()
   original = mesh_lib.logical_spec
 
@@ -141,19 +142,25 @@ def test_the_logical_shapes_validation_checks_are_every_one_a_step_lays_out(monk
       (split, dict(batch=('data',), seq=('fsdp',), act_seq=('tensor',)),
        dict(model=dict(collective_matmul=True))),
       (piped, {}, dict(pipeline=dict(gather_weights='iteration'))),
-      (piped, {}, dict(pipeline=dict(schedule='1f1b')))]:
+      (piped, {}, dict(pipeline=dict(schedule='1f1b'))),
+      (split, {}, dict(model=dict(moe=dict(experts=4, shared_experts=1)))),
+      (piped, {}, dict(model=dict(moe=dict(experts=4, router='sigmoid'))))]:
     cfg = small_config(**mesh)
     cfg.model.num_layers = 2
     cfg.sharding.rules.update(rules)
     for section, values in fields.items():
       cfg[section].update(values)
     trace_step(cfg)
-  cfg = small_config()
-  with sharding_context(make_mesh(dict(cfg.mesh), jax.devices()[:1]), cfg.sharding.rules):
-    model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
-  named = {tuple(v.get_metadata()['out_sharding']) for v in jax.tree.leaves(
-      nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))}
+  named = set()
+  for moe in (dict(), dict(experts=4, shared_experts=1, first_dense=1, router='sigmoid')):
+    cfg = small_config()
+    cfg.model.moe.update(moe)
+    with sharding_context(make_mesh(dict(cfg.mesh), jax.devices()[:1]), cfg.sharding.rules):
+      model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    named |= {tuple(v.get_metadata()['out_sharding']) for v in jax.tree.leaves(
+        nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))}
   assert ('layers', 'embed', 'mlp') in named and ('batch', 'seq', 'act_mlp') in asked
+  assert ('layers', 'experts', None, 'expert_mlp') in named
   uncovered = [s for s in named | asked
                if not any(_names(s) <= _names(entry) for entry in LOGICAL_SHAPES)]
   assert not uncovered, uncovered

@@ -58,6 +58,7 @@ class Collective:
   bytes_per_call: float     # bytes one device sends per execution
   from_all_reduce: bool = False  # compiled as an all-reduce whose result is only sliced
   summed: int = 0                # all-reduced values left out: only added to another one
+  op: str = ''                   # the JAX operation it came from (its op_name)
 
   @property
   def bytes(self) -> float:
@@ -425,7 +426,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int], *, cpu: bool) -> list
       if kind == 'all-reduce' and cpu:
         found += _all_reduce(computations, comp, inst, axes, n, times)
         continue
-      found += [Collective(kind, dtype, axes, n, times, sent)
+      found += [Collective(kind, dtype, axes, n, times, sent, op=op_name(inst))
                 for dtype, sent in sent_by_dtype(inst, kind, n).items()]
   return found
 

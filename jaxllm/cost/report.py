@@ -13,7 +13,8 @@ from ml_collections import ConfigDict
 
 from jaxllm import metrics
 from jaxllm.backends import is_compile_only
-from jaxllm.cost import hlo, timing
+from jaxllm.config import moe_layers
+from jaxllm.cost import experts, hlo, timing
 from jaxllm.cost.compile import Compiled, compile_step
 from jaxllm.cost.hardware import Hardware, axes_across_nodes, usable_memory
 from jaxllm.cost.traffic import expected_bytes
@@ -93,6 +94,9 @@ def predict(c: Compiled, hardware: Hardware) -> dict | None:
   crosses = lambda groups: bool(spanning & set(hlo.group_axes(groups, c.mesh_shape)[0]))
   devices = math.prod(c.mesh_shape.values())
   rates = hardware.rates.for_flags(c.xla_flags)
+  if c.cfg.model.moe.experts:  # the grouped GEMMs at the rows an even router gives them
+    timing.register_custom_call(experts.TRITON_TARGET, experts.grouped_gemm_cost(
+        experts.routed_rows(c.cfg, c.layout.batch_shards)))
   t = timing.step_time(c.text, rates, devices, crosses)
   cfg = c.cfg
   tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -104,6 +108,33 @@ def predict(c: Compiled, hardware: Hardware) -> dict | None:
           'mfu_causal': mfu('causal'),
           'bubble_s': bubble * (t.step_s - t.by_category['exposed_comm']),
           'assumes': rates.assumptions()}
+
+
+def mixture_of_experts(c: Compiled, hardware: Hardware) -> dict | None:
+  """The experts' grouped GEMMs (FLOPs per device and step, at the rows an even router gives
+  them) and the dispatch's collectives per mesh axes beside the analytic bytes
+  (`experts.expected_dispatch_bytes`); None without experts."""
+  m = c.cfg.model
+  if not m.moe.experts:
+    return None
+  rows = experts.routed_rows(c.cfg, c.layout.batch_shards)
+  shape = c.mesh_shape
+  expert_axes = experts.dispatch_axes(c)
+  sent = collections.Counter()
+  for x in experts.dispatch_collectives(c.text, shape, c.cpu):
+    sent[(x.axes, x.kind)] += x.bytes
+  analytic = experts.expected_dispatch_bytes(c.cfg, shape, expert_axes, c.layout.batch_shards,
+                                             moe_layers(m))
+  compiled = sum(b for (axes, _), b in sent.items() if set(axes) <= set(expert_axes))
+  by_kernel, recomputed = experts.grouped_gemm_flops(c.text, rows)
+  return {'dispatch': m.moe.dispatch, 'routed_rows_per_call': rows,
+          'grouped_gemm_flops_per_device': by_kernel,
+          'grouped_gemm_recomputed_per_device': recomputed,
+          'collectives': [{'axes': list(axes), 'kind': kind, 'bytes': b}
+                          for (axes, kind), b in sorted(sent.items())],
+          'expert_axes': list(expert_axes), 'dispatch_bytes': compiled,
+          'dispatch_bytes_analytic': analytic,
+          'ratio': compiled / analytic if analytic else None}
 
 
 def compiler(c: Compiled) -> dict:
@@ -125,22 +156,28 @@ def report(c: Compiled, hardware: Hardware) -> dict:
   devices_n = math.prod(c.mesh_shape.values())
   tokens = t.global_batch * cfg.data.seq_len
   flops = metrics.flops_per_token(m, cfg.data.seq_len)
-  matmul_flops = hlo.dot_flops(c.text)
+  moe = mixture_of_experts(c, hardware)
+  # The experts' grouped GEMMs are kernels of their own, beside XLA's dots.
+  grouped_flops = sum(moe['grouped_gemm_flops_per_device'].values()) if moe else 0.0
+  matmul_flops = hlo.dot_flops(c.text) + grouped_flops
   attn = attention(c)
   compiled_flops = matmul_flops + attn['flops_per_device']
   recomputed = hlo.recomputed_flops(c.text)
+  for who, rerun in (moe['grouped_gemm_recomputed_per_device'] if moe else {}).items():
+    recomputed[who] += rerun
   mem = memory(c)
   usable, fraction = usable_memory(hardware)
   counts = metrics.param_counts(m)
   return {
       'compiler': compiler(c), 'mesh': c.mesh_shape, 'hardware': hardware.summary(),
-      'params': {'total': counts['total'],
+      'params': {'total': counts['total'], 'active': counts['active'],
                  'per_device': c.state_bytes['params'] // jnp.dtype(m.param_dtype).itemsize},
       'memory': {**mem, 'usable': usable, 'usable_fraction': fraction},
       'fits': mem['peak'] <= usable,
       'flops': {'model_per_token': flops['full'], 'model_per_token_causal': flops['causal'],
                 'model_per_step': flops['full'] * tokens,
                 'compiled_matmul_per_device': matmul_flops,
+                'grouped_gemm_per_device': grouped_flops,
                 'compiled_per_device': compiled_flops,
                 'compiled_per_step': compiled_flops * devices_n,
                 'remat': m.remat,
@@ -149,6 +186,7 @@ def report(c: Compiled, hardware: Hardware) -> dict:
                 'recomputed_per_step': sum(recomputed.values()) * devices_n,
                 'recomputed_by_xla_per_step': recomputed['xla'] * devices_n},
       'attention': attn,
+      'moe': moe,
       'pipeline': (None if not c.pipeline else {
           'schedule': c.pipeline.schedule, 'stages': c.pipeline.stages,
           'repeats': c.pipeline.repeats,
@@ -209,6 +247,7 @@ def format_report(r: dict) -> str:
       recomputed_text(fl),
   ]
   lines += attention_lines(r['attention'])
+  lines += moe_lines(r.get('moe'), r['params'])
   if r['pipeline']:
     p = r['pipeline']
     lines.append(f'pipeline {p["schedule"]} S={p["stages"]} R={p["repeats"]} '
@@ -241,6 +280,25 @@ def format_report(r: dict) -> str:
                  f'{seconds_text(speedup["bf16_step_s"])}, {speedup["speedup"]:.2f}× '
                  f'(bf16 MFU {speedup["bf16_mfu"]:.1%})')
   return '\n'.join(lines)
+
+
+def moe_lines(moe: dict | None, params: dict) -> list[str]:
+  """The experts' part of the text report."""
+  if not moe:
+    return []
+  gg = moe['grouped_gemm_flops_per_device']
+  ratio = f'ratio {moe["ratio"]:.3f}' if moe['ratio'] else 'no expert axis'
+  return [f'experts  {params["active"] / 1e6:,.2f}M of the parameters active per token '
+          f'(the model FLOPs count those); grouped GEMMs {sum(gg.values()) / 1e12:,.3f} '
+          f'TFLOP/step per device at {moe["routed_rows_per_call"]:,} routed rows a call (an even '
+          'router): ' + ', '.join(f'{k.removeprefix("grouped_matmul_")} {v / 1e12:,.3f}'
+                                  for k, v in gg.items()),
+          f'dispatch ({moe["dispatch"]}) over {",".join(moe["expert_axes"]) or "no axis"}: '
+          f'{size_text(moe["dispatch_bytes"])} sent per device and step, analytic '
+          f'{size_text(moe["dispatch_bytes_analytic"])} ({ratio}; see '
+          '`experts.expected_dispatch_bytes`): '
+          + ', '.join(f'{",".join(x["axes"])} {x["kind"]} {size_text(x["bytes"])}'
+                      for x in moe['collectives'])]
 
 
 def prediction_lines(pr: dict | None, hardware: str) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxllm.config import moe_layers
+from jaxllm.cost import experts
 from jaxllm.cost.compile import Step
 from jaxllm.model.loss import splits_vocabulary
 from jaxllm.parallel.rules import parts
@@ -55,6 +57,9 @@ def expected_bytes(c: Step) -> dict[tuple[str, ...], float]:
     output head's gradient, which each stage makes from its rows (under 1F1B the last stage
     from all), all-reduced, 2(S−1)/S·g·H (H the head's bytes on one device). Under 1F1B
     fsdp gathers the head once for the last stage's loss, (N−1)/N·(a + g)·P.
+  experts (model.moe): the experts' weights split over fsdp are never gathered (out of P
+    above); the tokens move to them instead, over the axes the experts split that split the
+    tokens too (`experts.expected_dispatch_bytes`).
   P is the parameter bytes on one device before the axis' own split; b the rows on one device,
   s its part of the sequence (all of it unless rules.seq splits it).
   """
@@ -78,6 +83,8 @@ def expected_bytes(c: Step) -> dict[tuple[str, ...], float]:
   if n > 1 and not (c.pipeline and c.pipeline.gather_weights == 'iteration'):
     # Whole bytes (before the fsdp split) of what is gathered twice and what once.
     blocks, head = n * c.block_split_bytes, n * c.head_split_bytes
+    # Experts split over fsdp stay where they are: the tokens move to them instead.
+    blocks -= n * experts.fsdp_expert_bytes(c)
     unsplit = params - c.fsdp_split_bytes
     # With gather_weights='step' the stage weights are gathered once for all iterations.
     loss_bsh = bsh / shape['pipe']  # after a pipeline, the loss takes rows split over pipe
@@ -95,6 +102,9 @@ def expected_bytes(c: Step) -> dict[tuple[str, ...], float]:
     per_micro = ((a + g if c.pipeline else 2 * w + g) * blocks + loss + 2 * g * unsplit +
                  2 * bsh)
     expected[('fsdp',)] = (n - 1) / n * t.micro_batches * per_micro
+  if m.moe.experts and (axes := experts.dispatch_axes(c)):
+    expected[axes] = expected.get(axes, 0.0) + experts.expected_dispatch_bytes(
+        cfg, shape, axes, c.layout.batch_shards, moe_layers(m))
   n = shape['tensor']
   if n > 1:
     per_layer = 5 if 'tensor' in rules['act_seq'] else 4

@@ -1,5 +1,5 @@
-"""A Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3: `families`) and
-jaxllm's `model` config section, each from the other."""
+"""A Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3: `families`; Mixtral,
+Qwen3-MoE: `experts`) and jaxllm's `model` config section, each from the other."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import sys
 import jax
 from ml_collections import ConfigDict
 
-from jaxllm.checkpoint import SHAPE_FIELDS
+from jaxllm.checkpoint import MOE_SHAPE_FIELDS, SHAPE_FIELDS
 from jaxllm.config import ConfigError, default_config
+from jaxllm.hf.experts import (EXPERT_FAMILIES, check_experts_supported, expert_family,
+                               moe_fields, moe_json)
 from jaxllm.hf.families import FAMILIES, block_fields, check_supported, family_json, family_of
 
 CONFIG_FILE = 'config.json'
@@ -41,7 +43,9 @@ def read_hf_config(path: str) -> dict:
   except (OSError, ValueError) as e:
     raise ConfigError(f'{config_path} could not be read as JSON ({e}); fix or re-save it.'
                       ) from None
-  check_supported(hf, config_path)
+  kind = check_supported(hf, config_path)
+  if kind in EXPERT_FAMILIES:
+    check_experts_supported(hf, kind, config_path)
   return hf
 
 
@@ -83,6 +87,8 @@ def model_config(path: str) -> ConfigDict:
       attention='cudnn' if dtype == 'bfloat16' else 'xla',
       **block)
   cfg.rope_scaling.update(scaling)
+  if hf['model_type'] in EXPERT_FAMILIES:
+    cfg.moe.update(moe_fields(hf, hf['model_type'], os.path.join(path, CONFIG_FILE)))
   return cfg
 
 
@@ -94,18 +100,31 @@ class Vocabulary:
 
 
 def hf_config(model_cfg: ConfigDict, dtype: str, vocabulary: Vocabulary) -> dict:
-  """config.json of the causal LM of `model_cfg`'s family (`families.family_of`), stored in
-  `dtype`. `model_cfg.max_position` must be set: transformers takes 2048 for a config
-  without it."""
+  """config.json of the causal LM of `model_cfg`'s family (`families.family_of`; with experts,
+  `experts.expert_family`), stored in `dtype`. `model_cfg.max_position` must be set:
+  transformers takes 2048 for a config without it."""
   m = model_cfg
   kind = family_of(m)
+  experts = expert_family(m)
+  if experts:  # the MoE family's attention is that of a block family: Mixtral's Llama's
+    block_kind = EXPERT_FAMILIES[experts].block_family
+    if kind != block_kind:
+      raise ConfigError(f'model.moe.experts={m.moe.experts} with the block of a {kind} model: '
+                        f'{FAMILIES[experts]} has the block of {FAMILIES[block_kind]}; no '
+                        'Hugging Face architecture computes this model.')
+    extra = {k: v for k, v in family_json(m, kind).items()
+             if k not in ('attention_bias', 'mlp_bias') or experts != 'mixtral'}
+    extra.update(moe_json(m, experts))
+    kind = experts
+  else:
+    extra = family_json(m, kind)
   return dict(architectures=[FAMILIES[kind]], model_type=kind, vocab_size=m.vocab_size,
               hidden_size=m.embed_dim, intermediate_size=m.mlp_dim,
               num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
               num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=m.norm_eps,
               tie_word_embeddings=m.tie_embeddings, torch_dtype=dtype,
               max_position_embeddings=m.max_position, bos_token_id=vocabulary.bos_id,
-              eos_token_id=vocabulary.eos_id, **family_json(m, kind))
+              eos_token_id=vocabulary.eos_id, **extra)
 
 
 def check_model_matches(path: str, model_cfg: ConfigDict) -> None:
@@ -113,13 +132,16 @@ def check_model_matches(path: str, model_cfg: ConfigDict) -> None:
   naming the field); a different RoPE, norm epsilon or window is allowed (e.g. a longer
   context) but noted."""
   hf_cfg = model_config(path)
-  for field in SHAPE_FIELDS + ARCHITECTURE_FIELDS:
-    if field == 'param_dtype':  # tensors are converted to the run's storage dtype
-      continue
-    if hf_cfg[field] != model_cfg[field]:
+  fields = [(f, hf_cfg[f], model_cfg[f]) for f in SHAPE_FIELDS + ARCHITECTURE_FIELDS
+            if f != 'param_dtype']  # tensors are converted to the run's storage dtype
+  # The router's weighting too: the same weights routed otherwise compute another model.
+  fields += [(f'moe.{f}', hf_cfg.moe[f], model_cfg.moe[f])
+             for f in MOE_SHAPE_FIELDS + ('top_k', 'renormalize', 'route_scale')]
+  for field, there, here in fields:
+    if there != here:
       raise ConfigError(
-          f'model.{field}={model_cfg[field]!r} but the Hugging Face checkpoint {path} has '
-          f'{field}={hf_cfg[field]!r}; set model.{field}={hf_cfg[field]!r}, or build the model '
+          f'model.{field}={here!r} but the Hugging Face checkpoint {path} has '
+          f'{field}={there!r}; set model.{field}={there!r}, or build the model '
           'section with jaxllm.hf.model_config (see the README).')
   plain = lambda v: v.to_dict() if isinstance(v, ConfigDict) else v
   for field in BEHAVIOUR_FIELDS:

@@ -1,5 +1,5 @@
-"""Writing parameters as a Hugging Face checkpoint (Llama, Qwen2/2.5, Qwen3, Mistral or Gemma 3)
-that `from_pretrained` loads."""
+"""Writing parameters as a Hugging Face checkpoint (Llama, Qwen2/2.5, Qwen3, Mistral or Gemma 3;
+with experts, Mixtral or Qwen3-MoE) that `from_pretrained` loads."""
 
 from __future__ import annotations
 
@@ -25,15 +25,21 @@ from jaxllm.parallel.rules import derive
 
 
 def _hf_tensors(params, model_cfg: ConfigDict):
-  """(HF name, parameter, layer or None, layout) for every HF tensor, in HF's usual order."""
+  """(HF name, parameter, its index (layer, and expert) or None, layout) for every HF tensor,
+  in HF's usual order (layer by layer)."""
   by_name = {param_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
   found = layouts(model_cfg)
   whole = lambda names: [(found[n].hf_name, by_name[n], None, found[n])
                          for n in names if n in found]
-  stacked = [(n, layout) for n, layout in found.items() if layout.stacked]
-  return (whole(['embed_VD']) +
-          [(layout.hf_name.format(i), by_name[n], i, layout)
-           for i in range(model_cfg.num_layers) for n, layout in stacked] +
+  layers = {}
+  for n, layout in found.items():
+    if not layout.stacked:
+      continue
+    for i, layer in enumerate(layout.layers):
+      experts = [(e, (i, e)) for e in range(layout.experts)] if layout.experts else [(None, (i,))]
+      layers.setdefault(layer, []).extend((layout.name(layer, e), by_name[n], index, layout)
+                                          for e, index in experts)
+  return (whole(['embed_VD']) + [t for layer in sorted(layers) for t in layers[layer]] +
           whole(['final_norm.scale', 'head_DV']))
 
 
@@ -54,9 +60,10 @@ def _shard_groups(entries, itemsize: int, max_shard_bytes: int) -> list[list]:
 def export(params, model_cfg: ConfigDict, out_dir: str, dtype: str, vocabulary: Vocabulary,
            max_shard_bytes: int = 5 * 10**9) -> None:
   """Writes `params` (layer order, as checkpoints and `load` hold them) as a Hugging Face
-  causal LM of the model's family (`jaxllm.hf.families.family_of`) in `dtype`: config.json
-  and model.safetensors, or numbered files with an index when they are larger than
-  `max_shard_bytes`. A model no family computes is refused before anything is written."""
+  causal LM of the model's family (`jaxllm.hf.families.family_of`; with experts,
+  `jaxllm.hf.experts`) in `dtype`: config.json and model.safetensors, or numbered files with an
+  index when they are larger than `max_shard_bytes`. A model no family computes is refused
+  before anything is written."""
   config = hf_config(model_cfg, dtype, vocabulary)
   if glob.glob(os.path.join(out_dir, '*.safetensors')):
     raise ConfigError(f'{out_dir} already holds *.safetensors files; export into an empty or '
@@ -69,8 +76,8 @@ def export(params, model_cfg: ConfigDict, out_dir: str, dtype: str, vocabulary: 
   weight_map, total = {}, 0
   for file, group in zip(names, groups):
     tensors = {}
-    for hf_name, x, layer, layout in group:
-      ours = np.asarray(jax.device_get(x if layer is None else x[layer]).astype(dtype))
+    for hf_name, x, index, layout in group:
+      ours = np.asarray(jax.device_get(x if index is None else x[index]).astype(dtype))
       tensors[hf_name] = np.ascontiguousarray(layout.to_hf(ours))
       weight_map[hf_name] = file
       total += tensors[hf_name].nbytes

@@ -11,6 +11,8 @@ back for the family `family_of` a model section belongs to.
 | gemma3_text (Gemma 3)| Gemma3ForCausalLM   | qk_norm, mlp_activation='gelu_tanh',                |
 |                      |                     | norm_zero_centered, post_norms, scale_embeddings,   |
 |                      |                     | attention_scale, layer_types, sliding_rope_theta    |
+| mixtral              | MixtralForCausalLM  | Llama's block with experts (`experts`)              |
+| qwen3_moe            | Qwen3MoeForCausalLM | Qwen3's block with experts (`experts`)              |
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ FAMILIES = {
     'qwen3': 'Qwen3ForCausalLM',
     'mistral': 'MistralForCausalLM',
     'gemma3_text': 'Gemma3ForCausalLM',
+    'mixtral': 'MixtralForCausalLM',  # with experts: `experts.EXPERT_FAMILIES`
+    'qwen3_moe': 'Qwen3MoeForCausalLM',
 }
 SUPPORTED = ', '.join(f'{arch} ({kind})' for kind, arch in FAMILIES.items())
 # transformers' names of the layer types, and ours.
@@ -69,14 +73,14 @@ def _hf_layer_types(hf: dict, kind: str) -> list[str]:
   window = hf.get('sliding_window')
   if kind == 'mistral':  # every layer, where a window is set (layer_types is ignored)
     return ['sliding_attention' if window else 'full_attention'] * L
-  if kind in ('qwen2', 'qwen3') and not hf.get('use_sliding_window', False):
+  if kind in ('qwen2', 'qwen3', 'qwen3_moe') and not hf.get('use_sliding_window', False):
     return ['full_attention'] * L
   if hf.get('layer_types'):
     return list(hf['layer_types'])
   if kind == 'gemma3_text':
     period = hf.get('sliding_window_pattern', hf.get('_sliding_window_pattern', 6))
     return ['sliding_attention' if (i + 1) % period else 'full_attention' for i in range(L)]
-  if kind in ('qwen2', 'qwen3'):
+  if kind in ('qwen2', 'qwen3', 'qwen3_moe'):
     first = hf.get('max_window_layers', 28)
     return ['sliding_attention' if window and i >= first else 'full_attention' for i in range(L)]
   return ['full_attention'] * L
@@ -144,7 +148,7 @@ def block_fields(hf: dict, kind: str, head_dim: int, where: str) -> dict:
     fields['sliding_rope_theta'] = local_theta
   if kind == 'qwen2':
     fields['qkv_bias'] = True
-  elif kind == 'qwen3':
+  elif kind in ('qwen3', 'qwen3_moe'):
     fields['qk_norm'] = True
   elif kind == 'gemma3_text':
     fields.update(GEMMA, attention_scale=float(hf.get('query_pre_attn_scalar', head_dim))**-0.5)

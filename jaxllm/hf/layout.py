@@ -1,10 +1,12 @@
-"""Where each jaxllm parameter lives in a Hugging Face checkpoint's tensors (Llama's names, and
-those the other families add).
+"""Where each jaxllm parameter lives in a Hugging Face checkpoint's tensors (Llama's names, those
+the other families add, and Mixtral's or Qwen3-MoE's experts).
 
 The two layouts differ only in how tensors are arranged: torch `Linear` weights are [out, in]
 with the heads flattened, ours are [in, out] with heads as their own axis and the layers
 stacked on a leading axis. The rotary embedding needs no change: ours rotates the two halves
-of each head, as Hugging Face's `rotate_half` does.
+of each head, as Hugging Face's `rotate_half` does. With experts, our layers are in more than
+one stack (`stacks`), and a layer's experts are a tensor each or one fused tensor there
+(`jaxllm.hf.experts`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxllm.hf.experts import EXPERT_FAMILIES, expert_family, moe_layers_pattern
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -24,11 +28,18 @@ class Layout:
   Viewed through `hf_dims` (each HF axis split into the sizes of our axes it holds, e.g.
   q_proj's [N·H, D] as ((N, H), (D,))), the HF tensor has our axes in another order: our
   axis i is axis `order[i]` of that view. Stacked parameters have a tensor per layer, '{}'
-  in `hf_name` standing for the layer index.
+  in `hf_name` standing for the HF index of the layer, `layers[i]` for our stack's i-th.
+  Per-expert parameters ([E, ...] in a layer) have a tensor per expert too, '{expert}' in
+  `hf_name` standing for its index; the layout then describes one expert's tensor. A part of
+  a larger tensor (gate in a fused gate_up) starts at `offset` in a tensor of `tensor_shape`.
   """
   hf_name: str
   hf_dims: tuple[tuple[int, ...], ...]
   order: tuple[int, ...]
+  layers: tuple[int, ...] = ()
+  experts: int = 0
+  offset: tuple[int, ...] = ()
+  tensor_shape: tuple[int, ...] = ()
 
   @property
   def stacked(self) -> bool:
@@ -36,7 +47,11 @@ class Layout:
 
   @property
   def hf_shape(self) -> tuple[int, ...]:
-    return tuple(math.prod(sizes) for sizes in self.hf_dims)
+    """The shape of the tensor (one expert's where per expert) holding this parameter."""
+    return self.tensor_shape or tuple(math.prod(sizes) for sizes in self.hf_dims)
+
+  def name(self, layer: int | None = None, expert: int | None = None) -> str:
+    return self.hf_name.format(layer, expert=expert)
 
   def to_hf(self, ours: np.ndarray) -> np.ndarray:
     """One layer's (or an unstacked) parameter in the HF layout."""
@@ -59,52 +74,109 @@ class Layout:
       block_shape += [stop - start, *sizes[1:]]
       inner_index += [slice(None), *view_index[axis + 1:axis + len(sizes)]]
       axis += len(sizes)
+    if self.offset:
+      hf_index = [slice(s.start + o, s.stop + o) for s, o in zip(hf_index, self.offset)]
     block = read_hf(tuple(hf_index))
     return block.reshape(block_shape)[tuple(inner_index)].transpose(self.order)
 
 
-def layouts(model_cfg: ConfigDict) -> dict[str, Layout]:
+def layouts(model_cfg: ConfigDict, family: str | None = None,
+            fused_experts: bool = False) -> dict[str, Layout]:
   """Our parameters by dotted name ('blocks.attn.wq_DNH') → their place in a HF checkpoint of
   the model's family: the Llama names, and what the family's options add (q/k/v biases,
-  q/k norms, Gemma's four norms a layer)."""
+  q/k norms, Gemma's four norms a layer); with experts, those of a `family` checkpoint
+  (default `experts.expert_family`), whose experts are fused tensors or one tensor each."""
   m = model_cfg
   V, D, N, K, H, F = m.vocab_size, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
   layer = 'model.layers.{}.'
+  block = {
+      'attn_norm.scale': Layout(layer + 'input_layernorm.weight', ((D,),), (0,)),
+      'mlp_norm.scale': Layout(layer + 'post_attention_layernorm.weight', ((D,),), (0,)),
+      # torch Linear weights are [out, in]; the heads are flattened into `out` head-major.
+      'attn.wq_DNH': Layout(layer + 'self_attn.q_proj.weight', ((N, H), (D,)), (2, 0, 1)),
+      'attn.wk_DKH': Layout(layer + 'self_attn.k_proj.weight', ((K, H), (D,)), (2, 0, 1)),
+      'attn.wv_DKH': Layout(layer + 'self_attn.v_proj.weight', ((K, H), (D,)), (2, 0, 1)),
+      'attn.wo_NHD': Layout(layer + 'self_attn.o_proj.weight', ((D,), (N, H)), (1, 2, 0)),
+  }
+  dense_mlp = {
+      'mlp.w_gate_DF': Layout(layer + 'mlp.gate_proj.weight', ((F,), (D,)), (1, 0)),
+      'mlp.w_up_DF': Layout(layer + 'mlp.up_proj.weight', ((F,), (D,)), (1, 0)),
+      'mlp.w_down_FD': Layout(layer + 'mlp.down_proj.weight', ((D,), (F,)), (1, 0)),
+  }
   found = {
       'embed_VD': Layout('model.embed_tokens.weight', ((V,), (D,)), (0, 1)),
       'final_norm.scale': Layout('model.norm.weight', ((D,),), (0,)),
-      'blocks.attn_norm.scale': Layout(layer + 'input_layernorm.weight', ((D,),), (0,)),
-      'blocks.mlp_norm.scale': Layout(layer + 'post_attention_layernorm.weight', ((D,),), (0,)),
-      # torch Linear weights are [out, in]; the heads are flattened into `out` head-major.
-      'blocks.attn.wq_DNH': Layout(layer + 'self_attn.q_proj.weight', ((N, H), (D,)), (2, 0, 1)),
-      'blocks.attn.wk_DKH': Layout(layer + 'self_attn.k_proj.weight', ((K, H), (D,)), (2, 0, 1)),
-      'blocks.attn.wv_DKH': Layout(layer + 'self_attn.v_proj.weight', ((K, H), (D,)), (2, 0, 1)),
-      'blocks.attn.wo_NHD': Layout(layer + 'self_attn.o_proj.weight', ((D,), (N, H)), (1, 2, 0)),
-      'blocks.mlp.w_gate_DF': Layout(layer + 'mlp.gate_proj.weight', ((F,), (D,)), (1, 0)),
-      'blocks.mlp.w_up_DF': Layout(layer + 'mlp.up_proj.weight', ((F,), (D,)), (1, 0)),
-      'blocks.mlp.w_down_FD': Layout(layer + 'mlp.down_proj.weight', ((D,), (F,)), (1, 0)),
   }
   if m.qkv_bias:
     for name, heads, ours in (('q', N, 'bias_q_NH'), ('k', K, 'bias_k_KH'), ('v', K, 'bias_v_KH')):
-      found[f'blocks.attn.{ours}'] = Layout(layer + f'self_attn.{name}_proj.bias',
-                                            ((heads, H),), (0, 1))
+      block[f'attn.{ours}'] = Layout(layer + f'self_attn.{name}_proj.bias', ((heads, H),), (0, 1))
   if m.qk_norm:
     for name in ('q', 'k'):
-      found[f'blocks.attn.{name}_norm.scale'] = Layout(layer + f'self_attn.{name}_norm.weight',
-                                                       ((H,),), (0,))
+      block[f'attn.{name}_norm.scale'] = Layout(layer + f'self_attn.{name}_norm.weight',
+                                                ((H,),), (0,))
   if m.post_norms:  # Gemma's names: post_attention_layernorm follows attention here
     norm = lambda name: Layout(layer + f'{name}.weight', ((D,),), (0,))
-    found.update({'blocks.attn_out_norm.scale': norm('post_attention_layernorm'),
-                  'blocks.mlp_norm.scale': norm('pre_feedforward_layernorm'),
-                  'blocks.mlp_out_norm.scale': norm('post_feedforward_layernorm')})
+    block.update({'attn_out_norm.scale': norm('post_attention_layernorm'),
+                  'mlp_norm.scale': norm('pre_feedforward_layernorm'),
+                  'mlp_out_norm.scale': norm('post_feedforward_layernorm')})
+  moe = _expert_layouts(m, family or expert_family(m), fused_experts) if m.moe.experts else {}
+  for prefix, layers, experts in stacks(m):
+    for name, layout in {**block, **(moe if experts else dense_mlp)}.items():
+      found[f'{prefix}.{name}'] = dataclasses.replace(layout, layers=layers)
   if not m.tie_embeddings:
     found['head_DV'] = Layout('lm_head.weight', ((V,), (D,)), (1, 0))
   return found
 
 
-def hf_names(layout: Layout, num_layers: int) -> list[str]:
-  layers = range(num_layers) if layout.stacked else [None]
-  return [layout.hf_name.format(i) for i in layers]
+def stacks(model_cfg: ConfigDict) -> list[tuple[str, tuple[int, ...], bool]]:
+  """(the name of a stack of our layers, the HF index of each of its layers, whether they are
+  MoE) for each stack: `blocks`, or with experts (jaxllm.model.transformer) `dense_blocks`
+  for the first dense layers and, where only every n-th layer is MoE, `blocks.layers.{j}`
+  for the j-th of each group."""
+  m = model_cfg
+  L = m.num_layers
+  if not m.moe.experts:
+    return [('blocks', tuple(range(L)), False)]
+  first, every = m.moe.first_dense, m.moe.every
+  moe_at = moe_layers_pattern(L, first, every)
+  found = [('dense_blocks', tuple(range(first)), False)] if first else []
+  if every == 1:
+    return found + [('blocks', tuple(range(first, L)), True)]
+  return found + [(f'blocks.layers.{j}', tuple(range(first + j, L, every)), moe_at[first + j])
+                  for j in range(every)]
+
+
+def _expert_layouts(model_cfg: ConfigDict, family: str, fused: bool) -> dict[str, Layout]:
+  """A MoE layer's router and experts (names below the block) in a `family` checkpoint."""
+  m = model_cfg
+  D, E, F = m.embed_dim, m.moe.experts, m.moe.mlp_dim or m.mlp_dim
+  names = EXPERT_FAMILIES[family]
+  if fused:
+    experts = f'model.layers.{{}}.{names.fused_module}.experts.'
+    gate_up = lambda offset: Layout(experts + 'gate_up_proj', ((E,), (F,), (D,)), (0, 2, 1),
+                                    offset=(0, offset, 0), tensor_shape=(E, 2 * F, D))
+    return {
+        'mlp.router_DE': Layout(f'model.layers.{{}}.{names.fused_module}.gate.weight',
+                                ((E,), (D,)), (1, 0)),
+        'mlp.w_gate_EDF': gate_up(0),
+        'mlp.w_up_EDF': gate_up(F),
+        'mlp.w_down_EFD': Layout(experts + 'down_proj', ((E,), (D,), (F,)), (0, 2, 1)),
+    }
+  module = f'model.layers.{{}}.{names.module}.'
+  expert = lambda name: module + 'experts.{expert}.' + name + '.weight'
+  return {
+      'mlp.router_DE': Layout(module + 'gate.weight', ((E,), (D,)), (1, 0)),
+      'mlp.w_gate_EDF': Layout(expert(names.gate), ((F,), (D,)), (1, 0), experts=E),
+      'mlp.w_up_EDF': Layout(expert(names.up), ((F,), (D,)), (1, 0), experts=E),
+      'mlp.w_down_EFD': Layout(expert(names.down), ((D,), (F,)), (1, 0), experts=E),
+  }
+
+
+def hf_names(layout: Layout) -> list[str]:
+  """The names of the HF tensors that hold `layout`'s parameter."""
+  layers = layout.layers if layout.stacked else [None]
+  experts = range(layout.experts) if layout.experts else [None]
+  return [layout.name(i, e) for i in layers for e in experts]
 
 
 def param_name(path) -> str:

@@ -1,5 +1,5 @@
-"""Reading a Hugging Face checkpoint (any family of `families`) onto the mesh: `config.json`
-beside `model.safetensors`, or beside several `*.safetensors` files listed by
+"""Reading a Hugging Face checkpoint (any family of `families`, Mixtral or Qwen3-MoE) onto the
+mesh: `config.json` beside `model.safetensors`, or beside several `*.safetensors` files listed by
 `model.safetensors.index.json`. Each device reads its block of every tensor straight into its
 place: no device holds more of a parameter than its own part."""
 
@@ -81,6 +81,16 @@ class SafetensorsFiles:
                         'config.json or re-save the checkpoint.')
 
 
+def _read(files: SafetensorsFiles, layout: Layout, layer: int | None, index):
+  """The block `index` of one layer's (or an unstacked) parameter: per-expert parameters
+  from each of the experts' tensors that `index` asks for."""
+  if not layout.experts:
+    return layout.read(files.reader(layout.name(layer)), index)
+  experts = range(*index[0].indices(layout.experts))
+  return np.stack([layout.read(files.reader(layout.name(layer, e)), index[1:])
+                   for e in experts])
+
+
 def _load_param(files: SafetensorsFiles, layout: Layout, target: jax.ShapeDtypeStruct):
   """One parameter as a global array on `target`'s sharding, each device's block read from
   the files (blocks shared by several devices are read once)."""
@@ -90,15 +100,22 @@ def _load_param(files: SafetensorsFiles, layout: Layout, target: jax.ShapeDtypeS
     key = tuple((s.start, s.stop) for s in index)  # slices are unhashable before Python 3.12
     if key not in read:
       if layout.stacked:
-        layers = range(*index[0].indices(target.shape[0]))
-        data = np.stack([layout.read(files.reader(layout.hf_name.format(i)), index[1:])
-                         for i in layers])
+        layers = layout.layers[index[0]]
+        data = np.stack([_read(files, layout, i, index[1:]) for i in layers])
       else:
-        data = layout.read(files.reader(layout.hf_name), index)
+        data = _read(files, layout, None, index)
       read[key] = data.astype(target.dtype)
     return read[key]
 
   return jax.make_array_from_callback(target.shape, target.sharding, block)
+
+
+def fused_experts(files: SafetensorsFiles, model_cfg: ConfigDict, family: str) -> bool:
+  """Whether the checkpoint holds each layer's experts fused (transformers 5's in-memory
+  layout) rather than a tensor each (what save_pretrained writes)."""
+  fused = layouts(model_cfg, family, fused_experts=True)
+  return any(layout.name(layout.layers[0]) in files.file_of
+             for name, layout in fused.items() if name.endswith('mlp.w_down_EFD'))
 
 
 def load_params(path: str, target_params, model_cfg: ConfigDict):
@@ -108,9 +125,11 @@ def load_params(path: str, target_params, model_cfg: ConfigDict):
   path = os.path.abspath(path)
   check_model_matches(path, model_cfg)
   files = SafetensorsFiles(path)
-  found = layouts(model_cfg)
+  family = read_hf_config(path)['model_type']
+  fused = bool(model_cfg.moe.experts) and fused_experts(files, model_cfg, family)
+  found = layouts(model_cfg, family if model_cfg.moe.experts else None, fused)
   for layout in found.values():  # every problem before any reading
-    for name in hf_names(layout, model_cfg.num_layers):
+    for name in hf_names(layout):
       files.check(name, layout.hf_shape)
   return jax.tree_util.tree_map_with_path(
       lambda p, target: _load_param(files, found[param_name(p)], target), target_params)

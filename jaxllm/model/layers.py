@@ -174,10 +174,11 @@ _project.defvjp(_project_fwd, _project_bwd)
 
 
 class MLP(nnx.Module):
-  """Gated feed-forward: SwiGLU, or GeGLU with the tanh GELU (model.mlp_activation)."""
+  """Gated feed-forward `mlp_dim` wide (default model.mlp_dim): SwiGLU, or GeGLU with the tanh
+  GELU (model.mlp_activation)."""
 
-  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
-    D, F = cfg.embed_dim, cfg.mlp_dim
+  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs, mlp_dim: int | None = None):
+    D, F = cfg.embed_dim, mlp_dim or cfg.mlp_dim
     init = nnx.initializers.normal(cfg.init_std)
     out_init = nnx.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.num_layers))
     pd = jnp.dtype(cfg.param_dtype)

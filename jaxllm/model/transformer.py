@@ -1,6 +1,11 @@
-"""The decoder: pre-norm blocks of attention and MLP, run as one `lax.scan` over the layer
-stack, between the embedding and the output head and loss. It reads top to bottom like the
-paper; the parts live beside it in `jaxllm.model`."""
+"""The decoder: pre-norm blocks of attention and MLP (or, in a mixture of experts, routed
+experts), run as one `lax.scan` over the layer stack, between the embedding and the output head
+and loss. It reads top to bottom like the paper; the parts live beside it in `jaxllm.model`.
+
+Where only some layers have experts (model.moe.first_dense, model.moe.every), the first dense
+layers are a stack of their own, scanned before the rest, and the rest are scanned in groups
+of `every` blocks whose last has the experts: one scan still runs them all.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from jaxllm.model.embedding import sharded_lookup
 from jaxllm.model.kv_cache import KV_CACHE_AXES, KVCache, LayerCache
 from jaxllm.model.layers import MLP, RMSNorm, param, project
 from jaxllm.model.loss import chunked_loss_sum
+from jaxllm.model.moe import MoE, has_experts
 from jaxllm.model.remat import REMAT
 from jaxllm.parallel.mesh import constrain
 
@@ -36,39 +42,67 @@ LOGICAL_SHAPES = (
     ('vocab', 'embed'), ('embed', 'vocab'), ('norm',),
     ('layers', 'embed', 'heads', 'head_dim'), ('layers', 'embed', 'kv_heads', 'head_dim'),
     ('layers', 'heads', 'head_dim', 'embed'), ('layers', 'embed', 'mlp'),
-    ('layers', 'mlp', 'embed'), ('layers', 'norm'),
+    ('layers', 'mlp', 'embed'), ('layers', 'norm'), ('layers', 'experts', None, 'expert_mlp'),
     RESIDUAL_AXES, ('batch', 'seq', 'act_heads', None), ('batch', 'seq', 'act_kv_heads', None),
     ('batch', 'seq', 'act_mlp'), ('batch', 'seq', 'act_vocab'), KV_CACHE_AXES,
 )
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: attention, then MLP; with model.post_norms, each output normed
-  again before it joins the residual (Gemma's four norms a layer)."""
+  """Pre-norm residual block: attention, then MLP (with `experts`, the MoE layer); with
+  model.post_norms, each output normed again before it joins the residual (Gemma's four norms a
+  layer)."""
 
-  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
+  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs, experts: bool = False):
     pd = jnp.dtype(cfg.param_dtype)
     norm = lambda: RMSNorm(cfg.embed_dim, cfg.norm_eps, pd, rngs, cfg.norm_zero_centered)
     self.attn_norm = norm()
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = norm()
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if experts else MLP(cfg, rngs)
     self.attn_out_norm, self.mlp_out_norm = (norm(), norm()) if cfg.post_norms else (None, None)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None,
                sliding=None):
-    """The block's output; with a `cache`, also the new tokens' keys and values. `sliding`:
-    whether this layer's attention slides, where the layers differ (see `sliding_flags`)."""
+    """(the block's output, with a `cache` the new tokens' keys and values, else the router's
+    `RouterStats`: None for a dense MLP). `sliding`: whether this layer's attention slides,
+    where the layers differ (see `sliding_flags`)."""
     attn = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, cache, sliding)
     attn_BTD, new_kv = attn if cache is not None else (attn, None)
     if self.attn_out_norm is not None:
       attn_BTD = self.attn_out_norm(attn_BTD)
     x_BTD = constrain(x_BTD + attn_BTD, *RESIDUAL_AXES)
-    mlp_BTD = self.mlp(self.mlp_norm(x_BTD))
+    mlp = self.mlp(self.mlp_norm(x_BTD))
+    mlp_BTD, stats = mlp if isinstance(self.mlp, MoE) else (mlp, None)
     if self.mlp_out_norm is not None:
       mlp_BTD = self.mlp_out_norm(mlp_BTD)
     x_BTD = constrain(x_BTD + mlp_BTD, *RESIDUAL_AXES)
-    return x_BTD if cache is None else (x_BTD, new_kv)
+    return x_BTD, (stats if cache is None else new_kv)
+
+
+class BlockGroup(nnx.Module):
+  """`moe.every` blocks in a row, the last with experts: what the layer scan runs as one step
+  when only every n-th layer is MoE."""
+
+  def __init__(self, cfg: ConfigDict, rngs: nnx.Rngs):
+    n = cfg.moe.every
+    self.layers = nnx.List([Block(cfg, rngs, experts=i == n - 1) for i in range(n)])
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, cache: LayerCache | None = None,
+               sliding=None):
+    """As `Block`'s; a `cache` holds the group's layers on a leading axis, and so do the new
+    keys and values. `sliding` is always None: validate refuses experts with layers whose
+    attention differs, so each Block knows its type from the config."""
+    assert sliding is None, 'per-layer attention types are not carried through block groups'
+    sides = []
+    for i, block in enumerate(self.layers):
+      layer_cache = (None if cache is None else
+                     cache._replace(k_BSKH=cache.k_BSKH[i], v_BSKH=cache.v_BSKH[i]))
+      x_BTD, side = block(x_BTD, positions_BT, segment_ids_BT, layer_cache)
+      sides.append(side)
+    if cache is None:
+      return x_BTD, sides[-1]
+    return x_BTD, tuple(jnp.stack(kv) for kv in zip(*sides))
 
 
 def sliding_flags(cfg: ConfigDict, first=0, count: int | None = None):
@@ -90,43 +124,38 @@ def sequence_positions(tokens_BT):
 
 
 def scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, remat: str,
-                cache: KVCache | None = None, sliding_L=None):
-  """Applies the blocks stacked on the leading axis of `stacked`, in order, with `lax.scan`.
-  `sliding_L`: each of those layers' `sliding_flags`, or None where the layers are alike.
-
-  With a `cache` (decoding) returns the output and the cache holding the new tokens too."""
-  if cache is not None:
-    if segment_ids_BT is not None:
-      raise ValueError('decoding with a KV cache takes one sequence per row: no segment ids.')
-    return _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache, sliding_L)
-
+                sliding_L=None):
+  """Applies the blocks (or block groups) stacked on the leading axis of `stacked`, in order,
+  with `lax.scan`. `sliding_L`: each of those layers' `sliding_flags`, or None where the
+  layers are alike. Returns the output and the MoE layers' `RouterStats` stacked over the scan
+  (None without experts)."""
   def body(x_BTD, layer):
     layer, sliding = layer if sliding_L is not None else (layer, None)
-    return nnx.merge(graphdef, layer)(x_BTD, positions_BT, segment_ids_BT,
-                                      sliding=sliding), None
+    return nnx.merge(graphdef, layer)(x_BTD, positions_BT, segment_ids_BT, sliding=sliding)
 
   if remat != 'none':
     body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
   # Named outside the layer's own checkpoint, for one around the whole stack (stack_policy).
   named_body = lambda x_BTD, layer: body(checkpoint_name(x_BTD, 'layer_input'), layer)
-  x_BTD, _ = jax.lax.scan(named_body, x_BTD,
-                          stacked if sliding_L is None else (stacked, sliding_L))
-  return x_BTD
+  return jax.lax.scan(named_body, x_BTD, stacked if sliding_L is None else (stacked, sliding_L))
 
 
 def _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, cache: KVCache, sliding_L):
-  """The scan of `scan_blocks` with each layer reading its slice of the cache and returning
-  its new keys and values; they are written into the cache once, after the scan.
-  No remat: decoding takes no gradients."""
+  """The scan of `scan_blocks` with each layer reading its slice of `cache` (this stack's
+  layers) and returning its new keys and values [L, B, T, K, H], which the caller writes into
+  the cache once. No remat: decoding takes no gradients."""
+  units = jax.tree.leaves(stacked)[0].shape[0]
+  by_unit = lambda a: a.reshape(units, -1, *a.shape[1:]) if a.shape[0] > units else a
+
   def body(x_BTD, layer_and_cache):
     layer, k_BSKH, v_BSKH, sliding = layer_and_cache
     return nnx.merge(graphdef, layer)(x_BTD, positions_BT, None,
                                       LayerCache(k_BSKH, v_BSKH, cache.length, cache.start_B),
                                       sliding=sliding)
 
-  x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(
-      body, x_BTD, (stacked, cache.k_LBSKH, cache.v_LBSKH, sliding_L))
-  return x_BTD, cache.append(k_LBTKH, v_LBTKH)
+  x_BTD, new_kv = jax.lax.scan(
+      body, x_BTD, (stacked, by_unit(cache.k_LBSKH), by_unit(cache.v_LBSKH), sliding_L))
+  return x_BTD, tuple(a.reshape(-1, *a.shape[-4:]) for a in new_kv)
 
 
 def head_loss_sum(cfg, final_norm: RMSNorm, w_DV, x_BTD, targets_BT, mask_BT,
@@ -139,8 +168,26 @@ def head_loss_sum(cfg, final_norm: RMSNorm, w_DV, x_BTD, targets_BT, mask_BT,
                           w_DV, targets_BT, mask_BT.astype(jnp.float32))
 
 
+def _stack(make, count: int, rngs: nnx.Rngs):
+  """`count` modules from `make(rngs)` with a leading layer axis on every parameter, so the
+  stack runs as a scan."""
+  @nnx.split_rngs(splits=count)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def make_stack(rngs):
+    return make(rngs)
+  return make_stack(rngs)
+
+
+def stack_layers(cfg) -> tuple[int, int]:
+  """(layers of the first, dense stack (0: none), layers of the scanned `blocks`)."""
+  first = cfg.moe.first_dense if has_experts(cfg) else 0
+  return first, cfg.num_layers - first
+
+
 class Transformer(nnx.Module):
-  """Embedding, a scanned stack of `num_layers` blocks, final norm and output head."""
+  """Embedding, a scanned stack of `num_layers` blocks, final norm and output head. With
+  experts, the first `moe.first_dense` layers are a dense stack of their own before it
+  (`dense_blocks`), and where only every n-th layer is MoE it stacks `BlockGroup`s."""
 
   def __init__(self, cfg: ConfigDict, *, rngs: nnx.Rngs):
     cfg = FrozenConfigDict(cfg)  # hashable, so it can live in the static graph
@@ -150,13 +197,14 @@ class Transformer(nnx.Module):
     self.embed_VD = param(rngs, nnx.initializers.normal(cfg.init_std), (V, D),
                            ('vocab', 'embed'), pd)
 
-    # One Block with a leading layer axis on every parameter, so the stack runs as a scan.
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    def make_blocks(rngs):
-      return Block(cfg, rngs)
-
-    self.blocks = make_blocks(rngs)
+    first, rest = stack_layers(cfg)
+    self.dense_blocks = _stack(lambda rngs: Block(cfg, rngs), first, rngs) if first else None
+    if not has_experts(cfg):
+      self.blocks = _stack(lambda rngs: Block(cfg, rngs), rest, rngs)
+    elif cfg.moe.every == 1:
+      self.blocks = _stack(lambda rngs: Block(cfg, rngs, experts=True), rest, rngs)
+    else:
+      self.blocks = _stack(lambda rngs: BlockGroup(cfg, rngs), rest // cfg.moe.every, rngs)
     self.final_norm = RMSNorm(D, cfg.norm_eps, pd, rngs, cfg.norm_zero_centered)
     if not cfg.tie_embeddings:
       self.head_DV = param(rngs, nnx.initializers.normal(cfg.init_std), (D, V),
@@ -169,14 +217,33 @@ class Transformer(nnx.Module):
     return constrain(x_BTD, *RESIDUAL_AXES)
 
   def layers(self, x_BTD, positions_BT, segment_ids_BT=None, cache: KVCache | None = None):
-    """Runs the block stack as one `lax.scan`, rematerialised per the config.
+    """Runs the block stack as one `lax.scan` (after the first dense layers' own, if any),
+    rematerialised per the config. Returns the output and the MoE layers' `RouterStats`,
+    stacked over them (None without experts).
 
     Decoding passes a `cache` (and one sequence per row, no segment ids): the tokens are
     written at slots `cache.length` on, and `positions_BT` are their positions in their rows;
     returns the output and the cache holding them."""
-    graphdef, stacked = nnx.split(self.blocks)
-    return scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT, self.cfg.remat,
-                       cache, sliding_flags(self.cfg))
+    first, _ = stack_layers(self.cfg)
+    stacks = [nnx.split(s) for s in (self.dense_blocks, self.blocks) if s is not None]
+    # Each stack's layers: per-layer attention types only without experts (validate), where
+    # `blocks` is the one stack of all the layers.
+    bounds = ((0, first), (first, self.cfg.num_layers)) if first else ((0, self.cfg.num_layers),)
+    sliding = [sliding_flags(self.cfg, start, stop - start) for start, stop in bounds]
+    if cache is None:
+      stats = None
+      for (graphdef, stacked), sliding_L in zip(stacks, sliding):
+        x_BTD, stats = scan_blocks(graphdef, stacked, x_BTD, positions_BT, segment_ids_BT,
+                                   self.cfg.remat, sliding_L)
+      return x_BTD, stats
+    if segment_ids_BT is not None:
+      raise ValueError('decoding with a KV cache takes one sequence per row: no segment ids.')
+    new_kv = []
+    for (graphdef, stacked), (start, stop), sliding_L in zip(stacks, bounds, sliding):
+      layers = cache._replace(k_LBSKH=cache.k_LBSKH[start:stop], v_LBSKH=cache.v_LBSKH[start:stop])
+      x_BTD, kv = _scan_blocks_cached(graphdef, stacked, x_BTD, positions_BT, layers, sliding_L)
+      new_kv.append(kv)
+    return x_BTD, cache.append(*(jnp.concatenate(a) for a in zip(*new_kv)))
 
   def logits(self, x_BTD):
     """Output logits in fp32 (from matmuls in the compute dtype)."""
@@ -200,4 +267,4 @@ class Transformer(nnx.Module):
     document's segment id; attention then stays inside each document."""
     if positions_BT is None:
       positions_BT = sequence_positions(tokens_BT)
-    return self.logits(self.layers(self.embed(tokens_BT), positions_BT, segment_ids_BT))
+    return self.logits(self.layers(self.embed(tokens_BT), positions_BT, segment_ids_BT)[0])

@@ -83,13 +83,23 @@ def logical_spec(*names: str | tuple[str, ...] | None) -> P:
 
   Inside a shard_map only the compiler-managed axes can be named; manual ones are left out.
   """
-  def bound_axes(name):
-    names = name if isinstance(name, tuple) else (name,)
-    return tuple(a for n in names for a in mesh_axes(spmd.apply_rules(P(n), None)[0]))
-
   spec = P(*(spec_entry(bound_axes(name)) for name in names))
   manual = jax.sharding.get_abstract_mesh().manual_axes
   return keep_axes(spec, set(MESH_AXES) - set(manual)) if manual else spec
+
+
+def bound_axes(name: str | tuple[str, ...]) -> tuple[str, ...]:
+  """The mesh axes a logical axis name (or a tuple of them) binds to under the rules in
+  scope, manual ones included."""
+  names = name if isinstance(name, tuple) else (name,)
+  return tuple(a for n in names for a in mesh_axes(spmd.apply_rules(P(n), None)[0]))
+
+
+def manual_axes_of(*names: str) -> tuple[str, ...]:
+  """The mesh axes of logical `names` that are manual here: inside a shard_map over them,
+  what each device holds of those dimensions is its own share."""
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  return tuple(a for n in names for a in bound_axes(n) if a in manual)
 
 
 def keep_axes(spec: P, keep) -> P:

@@ -102,7 +102,7 @@ class _Stage:
     first = chunk_first_layer(jax.lax.axis_index('pipe'), chunk, self.stages, self.per_chunk)
     sliding_L = sliding_flags(self.model_cfg, first, self.per_chunk)
     run = lambda w, x_BTD: scan_blocks(self.graphdef, w, x_BTD, *info, self.remat,
-                                       sliding_L=sliding_L)
+                                       sliding_L=sliding_L)[0]  # no experts
     return jax.checkpoint(run, policy=stack_policy(self.remat), prevent_cse=False)(w, x_BTD)
 
   def linearize(self, w, x_BTD, info, chunk):
