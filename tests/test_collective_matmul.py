@@ -166,6 +166,7 @@ def tensor_transfers_in_layers(compiled) -> list[tuple[str, bool, int]]:
   return [tuple(entry) for entry in found]
 
 
+@pytest.mark.slow
 @needs_cuda_plugin
 def test_each_transfer_of_the_rings_hides_behind_a_matmul(tiny_programs):
   """With model.collective_matmul, the layers move nothing over tensor but the rings'

@@ -51,6 +51,7 @@ def test_family_shapes_have_the_released_parameter_counts(name):
   assert param_counts(cfg.model)['total'] == PUBLISHED_FAMILIES[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', PUBLISHED)
 def test_published_shape_compiles_from_shapes_alone(name):
   cfg = load_config(os.path.join(REPO, 'configs', f'{name}.py'))

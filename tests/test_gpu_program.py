@@ -101,6 +101,7 @@ def tiny_pipelines(h100s):
   return program
 
 
+@pytest.mark.slow
 def test_the_program_is_the_h100s(tiny_program):
   assert tiny_program.device.platform == 'gpu' and backends.is_compile_only(tiny_program.device)
   assert tiny_program.device.device_kind == 'NVIDIA H100 80GB HBM3'
@@ -108,6 +109,7 @@ def test_the_program_is_the_h100s(tiny_program):
   assert 'all-reduce-start' in text and '__triton_nested_gemm_fusion' in text  # async, Triton GEMMs
 
 
+@pytest.mark.slow
 def test_cudnn_flash_attention_runs_both_ways(tiny_program, one_b_program):
   """Forward and backward are cuDNN flash kernels, one pair per layer per micro-batch (plus a
   forward recomputed under remat='dots'). Packed rows reach them in cuDNN's packed layout:
@@ -177,6 +179,7 @@ def test_packed_rows_reach_cudnn_as_a_mask_before_hopper():
 FORWARDS_PER_BACKWARD = {'none': 1, 'attention': 1, 'dots_except_mlp': 1, 'full': 2, 'dots': 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', FORWARDS_PER_BACKWARD)
 def test_remat_reruns_the_attention_forward_only_if_it_drops_its_outputs(remat, one_b_programs):
   kernels = hlo.fused_attention(one_b_programs(remat).text)
@@ -209,6 +212,7 @@ def test_recomputed_flops_are_the_forward_work_remat_reruns(one_b_programs):
                    r"'full', 0\.000 by XLA", format_report(reports['full']))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat,schedule,forwards_per_backward', [
     ('none', 'gpipe', 1), ('full', 'gpipe', 2), ('none', 'circular', 1), ('full', 'circular', 2),
     ('none', '1f1b', 1), ('full', '1f1b', 2), ('full', 'interleaved_1f1b', 2)])
@@ -281,6 +285,7 @@ def fsdp_dtypes(compiled, kind: str) -> set[str]:
           if c.axes == ('fsdp',) and c.kind == kind}
 
 
+@pytest.mark.slow
 def test_bf16_compute_moves_bf16_activations_and_weights(tiny_program):
   """The GPU moves what it computes in: the activation all-reduces over tensor (4 per layer)
   and the layer weights gathered over fsdp are bf16. The CPU compiler computes bf16 in f32,
@@ -295,6 +300,7 @@ def test_bf16_compute_moves_bf16_activations_and_weights(tiny_program):
   assert on_cpu.cpu and set(tensor_all_reduces(on_cpu)) == {'f32'}
 
 
+@pytest.mark.slow
 def test_gradients_cross_the_data_axis_once_per_step(tiny_program, tiny_accumulating):
   """Each device sums its micro-batches' gradients in fp32; the sums are all-reduced over data
   once, after the last. So 4 micro-batches send over data what one batch does (within a few
@@ -306,6 +312,7 @@ def test_gradients_cross_the_data_axis_once_per_step(tiny_program, tiny_accumula
   assert sum(c.bytes for c in four) == pytest.approx(sum(c.bytes for c in one), rel=1e-3)
 
 
+@pytest.mark.slow
 def test_zero_reduce_scatters_gradients_and_gathers_params_over_data(tiny_program, h100s):
   """tiny_program (data=2) with sharding.zero=1: over data, the one fp32 all-reduce of the
   gradients becomes one reduce-scatter of them and all-gathers of the updated params, half
@@ -331,6 +338,7 @@ def test_zero_reduce_scatters_gradients_and_gathers_params_over_data(tiny_progra
       tiny_program.state_bytes['optimizer'] - counts) // 2
 
 
+@pytest.mark.slow
 def test_zero2_reduce_scatters_every_micro_batch(tiny_accumulating, h100s):
   """tiny_accumulating (4 micro-batches) with sharding.zero=2: the gradients are
   reduce-scattered over data once per micro-batch into a sum split as the moments are (where
@@ -348,6 +356,7 @@ def test_zero2_reduce_scatters_every_micro_batch(tiny_accumulating, h100s):
   assert scattered == pytest.approx(4 * zero.state_bytes['params'] / 2, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_memory_verdict_is_what_a_process_may_use(monkeypatch, one_b_program):
   """The whole batch (48 rows) at once needs more than JAX lets a process take of an H100 by
   default (75%), though less than the card: it does not fit, unless XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -464,6 +473,7 @@ def test_tune_measures_only_on_as_many_devices_as_present():
       '(--devices 8) or leave --measure out.']
 
 
+@pytest.mark.slow
 def test_weight_gradients_reduce_in_grad_reduce_dtype(tiny_program, h100s):
   """Weights are gathered in bf16, but their gradients are made and reduce-scattered in fp32
   unless model.grad_reduce_dtype says otherwise."""
@@ -512,6 +522,7 @@ def test_logits_exist_one_chunk_at_a_time(one_b_program):
   assert logit_positions(one_b_program) == 2 * 1024
 
 
+@pytest.mark.slow
 def test_the_head_gradient_is_summed_split_as_the_head_is(tiny_program, h100s):
   """With a vocabulary larger than its fsdp group's tokens (4096 against 1024 per tensor
   part), the loss gives each device all the group's rows and a slice of the vocabulary: the
@@ -550,6 +561,7 @@ def pipeline_program(h100s):
   return compile_step(cfg, h100s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('gather', ['step', 'iteration'])
 def test_pipeline_gathers_stage_weights_in_bf16(gather, pipeline_program, h100s):
   """Under the pipeline too, stage weights cross fsdp in bf16 and their gradients in fp32."""
@@ -592,6 +604,7 @@ def tiny_split(h100s):
   return program
 
 
+@pytest.mark.slow
 def test_sequence_parallelism_splits_the_tensor_all_reduces(tiny_program, tiny_split):
   """sharding.rules.act_seq=('tensor',) on tiny_program's mesh: each all-reduce of the
   residual stream's b·s·h over tensor (4 per layer, and the head's) becomes a reduce-scatter
@@ -612,6 +625,7 @@ def test_sequence_parallelism_splits_the_tensor_all_reduces(tiny_program, tiny_s
   assert memory(sp)['temporaries'] < memory(tiny_program)['temporaries']
 
 
+@pytest.mark.slow
 def test_context_parallelism_gathers_keys_and_values_over_fsdp(tiny_split):
   """sharding.rules.seq=('fsdp',), batch=('data',) on tiny's mesh: each device keeps half
   of every row's sequence and attends with cuDNN from those queries to all the keys (the
@@ -630,6 +644,7 @@ def test_context_parallelism_gathers_keys_and_values_over_fsdp(tiny_split):
   assert {k['bias'] for k in kernels} == {f'bf16[{rows},1,{T // 2},{T}]'}
 
 
+@pytest.mark.slow
 def test_context_and_sequence_parallelism_together_move_what_each_does_alone(tiny_split):
   """Both splits at once: fsdp carries context parallelism's bytes and tensor sequence
   parallelism's, within 2%; over fsdp × tensor at once only the norm scales' gradients are
@@ -731,6 +746,7 @@ def test_fp8_layer_matmuls_are_cublaslt_fp8_calls_and_gather_fp8(recipe, h100s):
   assert gathered['f8e4m3fn'] > gathered['bf16'] > 0  # the layers' weights; the head's
 
 
+@pytest.mark.slow
 def test_fp8_is_predicted_faster_where_gemms_take_the_step(one_b_programs, monkeypatch):
   """analyze's FP8 speed-up (`analyze.fp8_speedup`: the same step with model.fp8='none',
   compiled and timed alike) on the 1B width, where GEMMs take most of the step: FP8 GEMMs are

@@ -138,6 +138,7 @@ def test_export_reproduces_the_hf_checkpoint_and_round_trips(dtype, tmp_path):
     hf.export(params, model_cfg, str(exported), dtype_name, hf.Vocabulary())
 
 
+@pytest.mark.slow
 def test_init_from_hf_trains_from_its_weights_and_exports_the_result(tmp_path):
   hf_dir, run_dir, out_dir = tmp_path / 'hf', tmp_path / 'run', tmp_path / 'out'
   reference = save_hf_model(hf_dir)
@@ -202,6 +203,7 @@ def _fp32_loss(cfg, params) -> float:
                                                  torch.tensor(batch['targets']).reshape(-1).long()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('devices', [1, 8], ids=['one_device', 'data2_fsdp2_tensor2'])
 def test_a_bf16_checkpoint_fine_tunes_with_fp32_master_weights(devices, tmp_path):
   """A bfloat16 checkpoint (as Llamas are released) computes in bf16 with fp32 master weights,

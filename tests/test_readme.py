@@ -493,6 +493,7 @@ def assert_export_is_the_checkpoint(checkpoints, out, dtype: str, family: str = 
 
 # ----------------------------------------------------------------------------- tests
 
+@pytest.mark.slow
 def test_the_tiny_run_profiles_resumes_generates_and_exports(tiny_run, tmp_path):
   """In order, in one directory: the profiled tiny run, the README's first command (which
   finds the run done), generating from its checkpoints, exporting them to Hugging Face."""
@@ -540,6 +541,7 @@ PIPELINE = 'python -m jaxllm.train --config configs/tiny.py --config.mesh.pipe=2
 PIPELINE_STEPS = 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('key', commands_of(TRAIN_ALONE))
 def test_train_command_runs_as_printed(key, tmp_path):
   """Each in a directory of its own, one step (PIPELINE: PIPELINE_STEPS), no checkpoint."""
@@ -621,6 +623,7 @@ RECIPE_RUNS = [pytest.param('llama', [], id='llama'),
                *(pytest.param(f, [], id=f, marks=pytest.mark.slow) for f in FAMILIES)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('family, devices', RECIPE_RUNS)
 def test_the_hugging_face_recipe_fine_tunes_and_exports(family, devices, family_checkpoints,
                                                         corpus, tmp_path):
@@ -645,6 +648,7 @@ def test_the_hugging_face_recipe_fine_tunes_and_exports(family, devices, family_
   assert_export_is_the_checkpoint(workdir / 'checkpoints', cwd / 'exported', 'bfloat16', family)
 
 
+@pytest.mark.slow
 def test_chat_fine_tunes_a_hugging_face_checkpoint(hf_checkpoint, tmp_path):
   """The README's conversation is chats.jsonl; configs/X.py is a config holding the
   checkpoint's model section (what `hf.model_config` reads from it), whose devices are a fresh
@@ -732,6 +736,7 @@ def sharded_matmul_for_8_h100s() -> str:
     return matmul.lower(arg((4096, 8192), None, 'x'), arg((8192, 4096), 'x')).compile().as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('key', commands_of(ANALYZE))
 def test_analyze_and_tune_as_printed(key, tmp_path):
   if 'jaxllm.tune' in key:
