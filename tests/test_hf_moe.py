@@ -76,12 +76,16 @@ def hf_greedy(model, prompt, steps: int) -> list[int]:
 
 PROMPT = [5, 17, 33, 2, 80, 41]
 
-
-@pytest.mark.slow  # about 15 s each: the decode loop compiles
-@pytest.mark.parametrize('layout, axes', [
+# Each expert layout a checkpoint may hold: per-expert tensors read on one device, the fused 3D
+# ones on a mesh that splits the experts over fsdp and their hidden units over tensor.
+LAYOUTS = pytest.mark.parametrize('layout, axes', [
     ('per_expert', dict()),
     ('fused', dict(fsdp=2, tensor=2)),
 ], ids=['per_expert-one_device', 'fused-fsdp2_tensor2'])
+
+
+@pytest.mark.slow  # about 15 s each: the decode loop compiles
+@LAYOUTS
 def test_mixtral_logits_and_greedy_tokens_equal_transformers(layout, axes, tmp_path):
   """Both expert layouts read; on a mesh the experts split over fsdp, their hidden units
   over tensor."""
@@ -100,10 +104,7 @@ def test_mixtral_logits_and_greedy_tokens_equal_transformers(layout, axes, tmp_p
 
 
 @pytest.mark.slow  # about 15 s each: the decode loop compiles
-@pytest.mark.parametrize('layout, axes', [
-    ('per_expert', dict()),
-    ('fused', dict(fsdp=2, tensor=2)),
-], ids=['per_expert-one_device', 'fused-fsdp2_tensor2'])
+@LAYOUTS
 def test_qwen3_moe_logits_and_greedy_tokens_equal_transformers(layout, axes, tmp_path):
   """Qwen3-MoE's q/k norms, its dense first layer and its experts of their own width, in
   both expert layouts; on a mesh the experts split over fsdp, their hidden units over
