@@ -158,6 +158,7 @@ def _start_worker(target: Target, cache_dir: str | None) -> None:
 
 
 def _exit_with(parent: int) -> None:
+  """Ends this process once `parent` is gone (an orphan is handed to another parent)."""
   while os.getppid() == parent:
     time.sleep(1)
   os._exit(1)
