@@ -271,7 +271,7 @@ def run_main(argv: list[str], cwd=REPO) -> subprocess.CompletedProcess:
   if name == 'jaxllm.train':
     args = [*args, '--config.distributed.num_processes=1']
   patched = [m for n, m in list(sys.modules.items()) if (n.startswith('jaxllm') or m is module)
-             and getattr(m, 'start_backends', None) is backends.start_backends]
+             and getattr(m, 'start_backends', None) is start_backends]
   env, verbosity = dict(os.environ), absl_logging.get_verbosity()
   cache = {k: getattr(jax.config, k) for k in ('jax_compilation_cache_dir',
                                                'jax_persistent_cache_min_compile_time_secs')}
@@ -288,7 +288,7 @@ def run_main(argv: list[str], cwd=REPO) -> subprocess.CompletedProcess:
         code = e.code if isinstance(e.code, int) else 1
   finally:
     for m in patched:
-      m.start_backends = backends.start_backends
+      m.start_backends = start_backends  # conftest's own import: jaxllm.backends is patched too
     sys.argv = argv_kept
     for key in set(os.environ) - set(env):
       del os.environ[key]
