@@ -42,6 +42,7 @@ from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import ConfigError, TrainingError
 from jaxllm.cost import report
+from jaxllm.cost.cache import MemoryStats
 from jaxllm.cost.compile import compile_step
 from jaxllm.model import with_available_attention
 from jaxllm.model.remat import REMAT
@@ -127,7 +128,7 @@ def time_jaxllm(run, first_batch, steps: int, warmup: int) -> dict:
                                                   settle_seconds(_WARMUP_S.value, device),
                                                   lambda: clocks)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': report.peak_bytes(compiled), 'clocks': clocks.text()}
+          'compiled_peak': MemoryStats.of(compiled).peak, 'clocks': clocks.text()}
 
 
 def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> dict:
@@ -151,7 +152,7 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
                         settle_seconds(_WARMUP_S.value, run.mesh.devices.flat[0]),
                         lambda: clocks)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': report.peak_bytes(compiled), 'clocks': clocks.text()}
+          'compiled_peak': MemoryStats.of(compiled).peak, 'clocks': clocks.text()}
 
 
 def search_layers(peak_of, fits, cap: int) -> tuple[int, int | None]:

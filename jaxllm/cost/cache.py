@@ -42,6 +42,13 @@ class MemoryStats:
     """Arguments and outputs (donated ones once) plus temporaries."""
     return self.arguments + self.outputs - self.aliases + self.temporaries
 
+  @classmethod
+  def of(cls, executable) -> MemoryStats:
+    """A compiled executable's (`jax.stages.Compiled`), by its `memory_analysis`."""
+    stats = executable.memory_analysis()
+    return cls(stats.argument_size_in_bytes, stats.output_size_in_bytes,
+               stats.alias_size_in_bytes, stats.temp_size_in_bytes)
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:

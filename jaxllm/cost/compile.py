@@ -157,9 +157,7 @@ def compile_step(cfg: ConfigDict, devices=None, cache: ProgramCache | None = Non
     start = cpu_seconds()
     with compiling_for(devices):
       executable = lowered.compile(options)
-    stats = executable.memory_analysis()
-    memory = MemoryStats(stats.argument_size_in_bytes, stats.output_size_in_bytes,
-                         stats.alias_size_in_bytes, stats.temp_size_in_bytes)
+    memory = MemoryStats.of(executable)
     entry = Entry(memory, executable.as_text(), cpu_seconds() - start)
     if cache:
       cache.put(key, entry)
