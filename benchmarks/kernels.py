@@ -27,7 +27,7 @@ from timing import benchmark_config, settle_seconds, time_steps  # benchmarks/ i
 from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import ConfigError
-from jaxllm.cost import report, timing as model, trace
+from jaxllm.cost import experts, report, timing as model, trace
 from jaxllm.cost.hardware import PROFILES, hardware_profile
 from jaxllm.train import setup
 
@@ -75,7 +75,8 @@ def main(argv: list[str]) -> None:
   rates = hardware.rates.for_flags(os.environ.get('XLA_FLAGS', ''))
   devices = run.mesh.devices.size
   predicted = model.step_time(text, rates, devices,
-                              model.node_crossing(hardware.devices_per_node, devices))
+                              model.node_crossing(hardware.devices_per_node, devices),
+                              experts.custom_call_costs(run.cfg, run.layout.batch_shards))
   measured = trace.read(directory, trace.module_name(text), trace.containers(text))
   print(f'{_STEPS.value} steps of {trace.module_name(text)} on {devices} × {device.device_kind} '
         f'traced into {directory}; predicted on {hardware.name} '

@@ -376,15 +376,15 @@ TRITON = f"""  %a = bf16[{N},{N}]{{1,0}} parameter(0)
   ROOT %g = bf16[{N},{N}]{{1,0}} custom-call(%a, %a), custom_call_target="__gpu$xla.gpu.triton", backend_config={{"name":"grouped_gemm"}}"""
 
 
-def test_a_custom_call_is_timed_by_its_registered_cost(monkeypatch):
-  """A grouped GEMM written as a Triton kernel: unregistered, a memory-bound kernel on its
-  operands and result; registered, the GEMMs its cost function names."""
+def test_a_custom_call_is_timed_by_its_named_cost():
+  """A grouped GEMM written as a Triton kernel: without a cost, a memory-bound kernel on its
+  operands and result; with one, the GEMMs its cost function names."""
   t = step(program(TRITON))
   assert [(k.category, k.bytes) for k in t.kernels] == [('memory', 3 * N * N * 2)]
   groups = lambda insts, inst: timing.CustomCallCost(
       gemms=tuple(('bf16xbf16->bf16', 1, N // 4, N, N) for _ in range(4)))
-  monkeypatch.setitem(timing.CUSTOM_CALLS, '__gpu$xla.gpu.triton', groups)
-  t = step(program(TRITON))
+  t = timing.step_time(program(TRITON), RATES, 1, timing.node_crossing(8, 1),
+                       {'__gpu$xla.gpu.triton': groups})
   quarter = 2 * N**3 / 4 / RATES.gemm_rate('bf16xbf16->bf16', 1, N // 4, N, N)
   assert [(k.category, k.flops) for k in t.kernels] == [('gemm', 2 * N**3)]
   assert t.by_category['gemm'] == pytest.approx(4 * quarter)

@@ -68,7 +68,7 @@ def grouped_gemm(name: str, operands: list, result: list, rows: int | None
 
 
 def grouped_gemm_cost(rows: int | None):
-  """A `timing.register_custom_call` cost for the Triton target: the grouped-GEMM kernels as
+  """A `timing.step_time` custom-call cost for the Triton target: the grouped-GEMM kernels as
   GEMMs of `rows` rows (`grouped_gemm`); any other Triton kernel as memory-bound on its
   operands and result."""
   def cost(insts, inst) -> CustomCallCost:
@@ -78,6 +78,14 @@ def grouped_gemm_cost(rows: int | None):
     size = lambda arrays: sum(hlo.DTYPE_BYTES.get(t, 4) * math.prod(d) for t, d in arrays)
     return CustomCallCost(bytes=float(size(operands) + size(result)))
   return cost
+
+
+def custom_call_costs(cfg, batch_shards: int) -> dict:
+  """`timing.step_time`'s costs of the model's own kernels: the grouped GEMMs at the rows an
+  even router gives them; none for a dense model."""
+  if not cfg.model.moe.experts:
+    return {}
+  return {TRITON_TARGET: grouped_gemm_cost(routed_rows(cfg, batch_shards))}
 
 
 def grouped_gemm_flops(hlo_text: str, rows: int | None) -> tuple[dict[str, float],

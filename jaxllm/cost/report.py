@@ -94,10 +94,8 @@ def predict(c: Compiled, hardware: Hardware) -> dict | None:
   crosses = lambda groups: bool(spanning & set(hlo.group_axes(groups, c.mesh_shape)[0]))
   devices = math.prod(c.mesh_shape.values())
   rates = hardware.rates.for_flags(c.xla_flags)
-  if c.cfg.model.moe.experts:  # the grouped GEMMs at the rows an even router gives them
-    timing.register_custom_call(experts.TRITON_TARGET, experts.grouped_gemm_cost(
-        experts.routed_rows(c.cfg, c.layout.batch_shards)))
-  t = timing.step_time(c.text, rates, devices, crosses)
+  t = timing.step_time(c.text, rates, devices, crosses,
+                       experts.custom_call_costs(c.cfg, c.layout.batch_shards))
   cfg = c.cfg
   tokens = cfg.train.global_batch * cfg.data.seq_len
   model_flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)

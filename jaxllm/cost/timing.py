@@ -7,8 +7,8 @@ profile assumes (a step's sustained clocks, by default):
   measured table gives for that shape and element type (`KernelRates.gemm_rate`);
 - cuDNN attention, forward and backward: FLOPs (from the shapes, as `hlo.fused_attention`
   counts them) at the published throughput of the profile's cuDNN;
-- custom calls a model registers a cost for (`register_custom_call`: a grouped GEMM's FLOPs
-  and shapes, say), at those;
+- custom calls the caller names a cost for (`step_time`'s `custom_calls`: a grouped GEMM's
+  FLOPs and shapes, say), at those;
 - every other fusion, copy or transpose: the larger of its bytes read and written at the
   memory bandwidth measured for a transfer of that size, and its FLOPs at the CUDA cores'
   peak;
@@ -37,7 +37,7 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import Callable
+from typing import Callable, Mapping
 
 from jaxllm.cost import hlo
 from jaxllm.cost.hardware import KernelRates
@@ -170,20 +170,13 @@ class CustomCallCost:
 
 
 # custom_call_target -> cost function (the instructions of its computation, the instruction).
-CUSTOM_CALLS: dict[str, Callable[[dict, hlo.Instruction], CustomCallCost]] = {}
+CustomCalls = Mapping[str, Callable[[dict, hlo.Instruction], CustomCallCost]]
 
 
-def register_custom_call(target: str,
-                         cost: Callable[[dict, hlo.Instruction], CustomCallCost]) -> None:
-  """Times custom calls to `target` (e.g. a Triton kernel's `__gpu$xla.gpu.triton`) by what
-  `cost` reads of them. Unregistered ones are timed as memory-bound on their operands and
-  results."""
-  CUSTOM_CALLS[target] = cost
-
-
-def kernel_time(computations, comp: str, inst: hlo.Instruction,
-                rates: KernelRates) -> Kernel | None:
-  """`inst` as a kernel, or None when it launches none (or is a collective)."""
+def kernel_time(computations, comp: str, inst: hlo.Instruction, rates: KernelRates,
+                custom_calls: CustomCalls) -> Kernel | None:
+  """`inst` as a kernel, or None when it launches none (or is a collective). Custom calls
+  without a cost in `custom_calls` are timed as memory-bound on their operands and results."""
   insts = computations[comp]
   if (inst.opcode in NO_KERNEL or inst.opcode == 'recv'
       or hlo.collective_kind(inst) is not None):
@@ -195,8 +188,8 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction,
     kernel.category = 'gemm'
     kernel.seconds, kernel.flops = _gemm(rates, [shape])
     return kernel
-  if target in CUSTOM_CALLS:
-    cost = CUSTOM_CALLS[target](insts, inst)
+  if target in custom_calls:
+    cost = custom_calls[target](insts, inst)
     kernel.bytes = cost.bytes
     if cost.gemms:
       kernel.category = 'gemm'
@@ -294,9 +287,10 @@ class Simulator:
   often each runs per step, what each lost beside NCCL and what the host made the GPU wait."""
 
   def __init__(self, text: str, rates: KernelRates, devices: int,
-               crosses: Callable[[list[list[int]] | None], bool]):
+               crosses: Callable[[list[list[int]] | None], bool], custom_calls: CustomCalls):
     self.computations, _ = hlo.program(text)
     self.rates, self.devices, self.crosses = rates, devices, crosses
+    self.custom_calls = custom_calls
     self.kernels: dict[tuple[str, str], Kernel | None] = {}
     self.transfers: dict[tuple[str, str], Transfer | None] = {}
     self.tally = collections.Counter()  # (computation, instruction) -> executions per step
@@ -308,7 +302,8 @@ class Simulator:
   def kernel(self, comp: str, inst: hlo.Instruction) -> Kernel | None:
     key = (comp, inst.name)
     if key not in self.kernels:
-      self.kernels[key] = kernel_time(self.computations, comp, inst, self.rates)
+      self.kernels[key] = kernel_time(self.computations, comp, inst, self.rates,
+                                       self.custom_calls)
     return self.kernels[key]
 
   def transfer(self, comp: str, inst: hlo.Instruction) -> Transfer | None:
@@ -443,11 +438,12 @@ class Simulator:
 
 
 def step_time(text: str, rates: KernelRates, devices: int,
-              crosses: Callable[[list[list[int]] | None], bool]) -> Timing:
+              crosses: Callable[[list[list[int]] | None], bool],
+              custom_calls: CustomCalls | None = None) -> Timing:
   """The program's step time for `devices` devices whose kernels run at `rates`;
   `crosses(device groups)` says whether a collective's groups span nodes (None: every
-  device)."""
-  sim = Simulator(text, rates, devices, crosses)
+  device); `custom_calls` times the custom calls of those targets (a model's own kernels)."""
+  sim = Simulator(text, rates, devices, crosses, custom_calls or {})
   streams = Streams()
   sim.run(hlo.parse_module(text)[1], streams)
   step = max([streams.compute, streams.comm, *streams.pending.values()])
