@@ -59,6 +59,7 @@ def checkpoint_steps(workdir):
   return sorted(int(d) for d in os.listdir(root) if d.isdigit())
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_repeats_the_uninterrupted_losses_exactly(tmp_path):
   """12 steps, a checkpoint every 4; a run killed hard after step 9 and restarted ends with the
   same losses for steps 9-12, bit for bit (same data order, same state)."""
@@ -82,6 +83,7 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses_exactly(tmp_path)
   assert checkpoint_steps(interrupted) == [4, 8, 12]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_reached_and_resume_continues(tmp_path):
   workdir = tmp_path / 'run'
   process = start_cli(workdir, '--config.train.steps=500', '--config.checkpoint.every=1000')
@@ -132,6 +134,7 @@ def saved_under_fsdp8(corpus):
   return once_per_run('saved_under_fsdp8', saved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh', [dict(data=2, tensor=4), dict(), dict(pipe=2, data=2, tensor=2)],
                          ids=['data2_tensor4', 'one_device', 'pipe2_circular'])
 def test_restore_onto_another_mesh(mesh, saved_under_fsdp8, corpus, tmp_path):
@@ -160,6 +163,7 @@ def test_restore_onto_another_mesh(mesh, saved_under_fsdp8, corpus, tmp_path):
       np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_zero_restores_from_a_plain_checkpoint_and_back(saved_under_fsdp8, corpus, tmp_path):
   """Saved under fsdp=8, resumed with ZeRO-1 on data=4 × fsdp=2 (moments read straight into
   their slices), whose step-4 checkpoint reads back on one device without ZeRO: params and
@@ -181,6 +185,7 @@ def test_zero_restores_from_a_plain_checkpoint_and_back(saved_under_fsdp8, corpu
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(corpus, tmp_path, capsys):
   cfg = text_config(corpus)
   cfg.train.steps, cfg.checkpoint.every = 8, 4
@@ -212,6 +217,7 @@ def saved_at_2_and_4(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('error', [OSError(errno.EIO, 'Input/output error'),
                                    ValueError('UNAVAILABLE: Error reading local file')],
                          ids=['io_error', 'storage_unavailable'])
@@ -284,6 +290,7 @@ def test_fp8_state_must_match_to_resume(saved, now, field):
     check_resumable(saved_cfg.to_dict(), model_cfg, 'ckpt/2')
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   cfg = small_config()
   cfg.optim.update(lr=1e12, clip_norm=0.0)  # the first update blows the weights up
@@ -293,6 +300,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   assert checkpoint_steps(tmp_path) == [1]
 
 
+@pytest.mark.slow
 def test_nonfinite_updates_can_be_skipped(tmp_path):
   cfg = small_config()
   cfg.optim.update(lr=1e12, clip_norm=0.0, schedule='constant')  # step 1 alike in both runs
@@ -313,6 +321,7 @@ def test_nonfinite_updates_can_be_skipped(tmp_path):
   assert int(state.step) == 4
 
 
+@pytest.mark.slow
 def test_init_from_takes_params_only(saved_under_fsdp8, corpus, tmp_path):
   saved_dir, saved_params, _ = saved_under_fsdp8
   cfg = text_config(corpus, data=2, tensor=4)
@@ -324,6 +333,7 @@ def test_init_from_takes_params_only(saved_under_fsdp8, corpus, tmp_path):
   assert all(not np.any(m) for m in jax.tree.leaves(run.state.opt_state[1][0].mu))
 
 
+@pytest.mark.slow
 def test_incompatible_checkpoint_is_an_error_and_stays(saved_under_fsdp8, corpus, tmp_path):
   saved_dir, *_ = saved_under_fsdp8
   shutil.copytree(saved_dir, tmp_path / 'run')

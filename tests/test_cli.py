@@ -16,7 +16,8 @@ import types
 import numpy as np
 import pytest
 
-from conftest import REPO, once_per_run, run_cli, run_cli_in_process, run_dir, small_config
+from conftest import (REPO, USER_XLA_FLAGS, once_per_run, run_cli, run_cli_in_process, run_dir,
+                      small_config)
 from jaxllm import train
 from jaxllm.cli import load_config, parse_command_line
 from jaxllm.config import ConfigError
@@ -47,13 +48,15 @@ def tiny_runs():
       workdir = root / name
       result = subprocess.run([command, *TINY_RUN, *evaluate, f'--workdir={workdir}',
                                f'--config.compilation_cache={root}/cache'],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+                              cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, 'XLA_FLAGS': USER_XLA_FLAGS})  # 60 steps
       assert result.returncode == 0, result.stderr[-2000:]
       runs.append((result, workdir))
     return runs
   return once_per_run('tiny_runs', two_runs)
 
 
+@pytest.mark.slow
 def test_tiny_config_trains_evaluates_and_writes_metrics(tiny_runs):
   result, workdir = tiny_runs[0]
   logged = read_rows(workdir)
@@ -91,6 +94,7 @@ def test_every_command_is_installed_as_its_modules_entry_point():
     assert source.endswith("if __name__ == '__main__':\n  cli()\n"), name
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_every_metrics_row_and_the_config(tiny_runs):
   """Read back with TensorBoard's own reader: each number of each metrics.jsonl row is a
   scalar at the row's step (stored as float32), and the config is the text of config.json."""
@@ -112,6 +116,7 @@ def test_tensorboard_holds_every_metrics_row_and_the_config(tiny_runs):
   assert json.loads(shown) == json.loads((workdir / 'config.json').read_text())
 
 
+@pytest.mark.slow
 def test_the_second_run_reads_the_compiled_step_from_the_cache(tiny_runs):
   (first, first_dir), (second, second_dir) = tiny_runs
   assert re.search(r'compiled the train step in [\d.]+s\n', first.stdout)
@@ -178,6 +183,7 @@ def test_a_workdir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, cap
   assert (tmp_path / 'a_file').read_text() == 'kept' and os.listdir(tmp_path / 'checkpoints') == []
 
 
+@pytest.mark.slow
 def test_tiny_config_fine_tunes_on_conversations_with_every_extra_split(tmp_path):
   """data.format='chat' (the byte tokenizer with a ChatML template file; the loss on the
   assistant's replies only, test_chat.py checks which tokens) with one K/V head over
@@ -460,6 +466,7 @@ def test_config_xla_flags_come_before_the_environments(monkeypatch):
                                      '--xla_gpu_enable_latency_hiding_scheduler=false')
 
 
+@pytest.mark.slow
 def test_bf16_gradient_reduction_trains_on_the_cpu(tmp_path):
   """`model.grad_reduce_dtype=bfloat16` on the CPU: XLA's CPU compiler aborted the process
   (exit 134) in a pass that widens narrow reductions, which this run asked for and which

@@ -41,6 +41,7 @@ def one_device_gradients(short_documents):
                       lambda: step_gradients(cfg, jax.devices()[:1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh, remat, rules', RINGS.values(), ids=RINGS.keys())
 def test_rings_give_one_devices_gradients(mesh, remat, rules, short_documents,
                                           one_device_gradients, monkeypatch):
@@ -190,6 +191,7 @@ def bytes_by(compiled) -> collections.Counter:
   return moved
 
 
+@pytest.mark.slow
 @needs_cuda_plugin
 def test_rings_move_what_the_collectives_did(tiny_programs):
   """The rings send over tensor the bytes the all-gathers and reduce-scatters did; over fsdp
@@ -205,6 +207,7 @@ def test_rings_move_what_the_collectives_did(tiny_programs):
   assert rings['fsdp', 'reduce-scatter', 'f32'] == plain['fsdp', 'reduce-scatter', 'f32']
 
 
+@pytest.mark.slow
 @needs_cuda_plugin
 def test_rings_hide_their_transfers_at_70b_layer_shapes():
   """configs/llama3_70b.py's layers (2 of them, remat 'full') on fsdp=2 × tensor=4: each

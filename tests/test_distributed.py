@@ -71,6 +71,7 @@ def resume_from(tmp_path, name, source, step):
   return workdir
 
 
+@pytest.mark.slow
 def test_two_processes_train_save_and_restore_like_one(tmp_path):
   """Losses of 2 processes × 4 devices equal 1 process × 8 devices; a checkpoint written by
   the two restores in one process, and one process's restores in two, continuing alike."""
@@ -136,6 +137,7 @@ def kill_during_training(tmp_path, victim: int):
   return survivor.returncode, err, seconds
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_other_naming_it(tmp_path):
   status, err, seconds = kill_during_training(tmp_path, victim=1)
   assert status == 1
@@ -146,6 +148,7 @@ def test_a_killed_process_stops_the_other_naming_it(tmp_path):
   assert seconds < HEARTBEAT + 10
 
 
+@pytest.mark.slow
 def test_a_killed_coordinator_ends_the_other_within_the_timeout(tmp_path):
   """Process 0 hosts JAX's coordination service; when it dies, JAX itself ends the others
   at once, with its own message ('... another task died ...')."""
@@ -155,6 +158,7 @@ def test_a_killed_coordinator_ends_the_other_within_the_timeout(tmp_path):
   assert 'another task died' in err or 'lost process 0' in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_failing_process_stops_the_others_with_its_error(tmp_path):
   started = time.monotonic()
   procs = start(tmp_path / 'run', '--config.train.steps=100000', '--config.checkpoint.every=0',
@@ -171,6 +175,7 @@ def test_a_failing_process_stops_the_others_with_its_error(tmp_path):
   assert time.monotonic() - started < 60  # well before the 60 s heartbeat timeout
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_all_after_the_same_step(tmp_path):
   """A scheduler's SIGTERM may reach one process first: all finish the same step, save one
   checkpoint together and exit cleanly."""

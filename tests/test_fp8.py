@@ -155,6 +155,7 @@ def one_device_fp8(corpus):
   return once_per_run('one_device_fp8', runs_and_plain)
 
 
+@pytest.mark.slow
 def test_fp8_trains_like_bf16(one_device_fp8):
   """Four steps on one device with either recipe's FP8 layer matmuls stay within 1e-2 of the
   same run's bf16 losses (measured: 3.4e-3 at most), and FP8 is at work: they differ."""
@@ -174,6 +175,7 @@ CASES = {  # id: (recipe, mesh, other fields): both recipes on every axis, and d
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', CASES)
 def test_every_mesh_axis_trains_like_one_device(case, corpus, one_device_fp8):
   """Four steps of bf16 compute with FP8 matmuls on a mesh give the one-device FP8 losses
@@ -209,6 +211,7 @@ def test_every_mesh_axis_trains_like_one_device(case, corpus, one_device_fp8):
     assert (history[..., :4] > 0).all() and (history[..., 4:] == 0).all()
 
 
+@pytest.mark.slow
 def test_fp8_off_keeps_no_scales_and_no_fp8_in_the_program(corpus):
   from jaxllm.cost.compile import compile_step
   cfg = text_config(corpus, fsdp=2)
@@ -218,6 +221,7 @@ def test_fp8_off_keeps_no_scales_and_no_fp8_in_the_program(corpus):
   assert 'f8e4m3fn' in compile_step(cfg, jax.devices()[:2]).text
 
 
+@pytest.mark.slow
 def test_resumed_fp8_run_repeats_the_uninterrupted_one_exactly(corpus, tmp_path, capsys):
   """Delayed scaling's scales and histories are checkpointed: 4 steps straight, against the
   same run resumed from its step-2 checkpoint, bit for bit (losses, params and FP8 state)."""

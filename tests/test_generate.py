@@ -105,6 +105,7 @@ def each_alone(one_device_params):
   return once_per_run('each_alone', generated)
 
 
+@pytest.mark.slow
 def test_prompts_of_different_lengths_in_one_batch_equal_each_alone(one_device_params,
                                                                      each_alone):
   cfg = model_cfg()
@@ -116,6 +117,7 @@ def test_prompts_of_different_lengths_in_one_batch_equal_each_alone(one_device_p
   assert got == [cut(row) for row in each_alone] and len(got[1]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('axes', [dict(tensor=2), dict(fsdp=2), dict(data=2, fsdp=2, tensor=2)],
                          ids=lambda axes: '_'.join(f'{a}{n}' for a, n in axes.items()))
 def test_a_batch_on_a_mesh_equals_each_prompt_alone_on_one_device(axes, one_device_params,
@@ -131,6 +133,7 @@ def test_a_batch_on_a_mesh_equals_each_prompt_alone_on_one_device(axes, one_devi
   assert got == each_alone[:3]
 
 
+@pytest.mark.slow
 def test_cache_filled_in_pieces_gives_the_logits_of_the_whole_sequence():
   """Prefill, one token, then a chunk of several: each attends to the cache and causally
   within itself. The cache comes out sharded like the keys (batch over data×fsdp, kv heads
@@ -236,6 +239,7 @@ def generate_cli(*args):
   return run_cli_in_process(*args, module='jaxllm.generate')
 
 
+@pytest.mark.slow
 def test_cli_generates_from_a_checkpoint_and_its_hf_export(tiny_checkpoints, tmp_path):
   """Text and ids from a checkpoint, then the same ids from one step directory and from the
   checkpoint exported as a Hugging Face Llama; bad prompts fail before any parameter is read."""

@@ -68,6 +68,7 @@ def run_gpu_bench(*args, fresh=True):
                         timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('tied', [False, True])
 def test_plain_step_equals_jaxllm_step(tied):
   """From the same weights and batch, one plain step gives jaxllm's loss, gradient norm and
@@ -107,6 +108,7 @@ def test_plain_rope_and_remat_policies_match_jaxllm():
   assert set(plain_llama.REMAT) == set(REMAT)
 
 
+@pytest.mark.slow
 def test_gpu_bench_with_plain_on_cpu():
   """The script times both steps and says their losses agree: the command works end to end;
   as a check of the model it has test_plain_step_equals_jaxllm_step's limits."""
@@ -121,6 +123,7 @@ def test_gpu_bench_with_plain_on_cpu():
   assert 'versions  jax ' in text and 'command   python benchmarks/gpu.py' in text
 
 
+@pytest.mark.slow
 def test_gpu_bench_largest_remat_fits_deeper():
   # 0.1 GB: on jax 0.10.2's CPU compiler one tiny layer needs ~53 MB whatever the policy,
   # two without remat ~118 MB, four with remat 'full' ~69 MB. (Two policies and four layers

@@ -139,6 +139,7 @@ def square_arrays(hlo_text: str, T: int) -> set[str]:
           if dims.split(',').count(str(T)) >= 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('pipe', [1, 2])
 def test_packed_rows_make_no_sequence_by_sequence_array(h100s, pipe):
   """Packed rows of 256 tokens (not the width, 128, so no activation has two dimensions of
@@ -158,6 +159,7 @@ def test_packed_rows_make_no_sequence_by_sequence_array(h100s, pipe):
   assert square_arrays(text, 256) == set()
 
 
+@pytest.mark.slow
 def test_packed_rows_reach_cudnn_as_a_mask_before_hopper():
   """JAX offers cuDNN's packed layout from Hopper on: on A100s packed rows of 256 tokens reach
   the kernels as the dense segment mask, a [B,1,T,T] bias (B = 16 rows / 4 shards), which
@@ -191,6 +193,7 @@ def test_remat_reruns_the_attention_forward_only_if_it_drops_its_outputs(remat, 
   assert sum(k.count for k in forward if k.recomputed_by == 'remat') == reruns
 
 
+@pytest.mark.slow
 def test_recomputed_flops_are_the_forward_work_remat_reruns(one_b_programs):
   """None under 'none'. Under 'full', each layer's forward but the MLP's down projection (its
   output, the next layer's input, is kept): the weight matmuls, 2·(D·(N+2K)·H + N·H·D + 2·D·F)
@@ -253,6 +256,7 @@ def stacked(hlo_text: str, lead: int, dims: tuple[int, ...]) -> set[str]:
           if (d := tuple(map(int, shape.split(','))))[0] == lead and d[1:] in orders}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', ['none', 'full'])
 def test_1f1b_keeps_a_few_micro_batches_residuals(remat, tiny_pipelines):
   """GPipe keeps every iteration's residuals for the backward: its stacks of the layers'
@@ -382,6 +386,7 @@ def test_a_bad_mem_fraction_is_one_line(monkeypatch):
     usable_memory(H100)
 
 
+@pytest.mark.slow
 def test_cudnn_checks_ask_the_gpu_compiled_for():
   """cuDNN flash attention takes a head dim of 256 on Hopper only. JAX asks the live backend
   (here the CPU); the compile asks the GPU it is for, and a refusal is a config error."""
@@ -407,6 +412,7 @@ def test_devices_fill_whole_nodes():
   assert len(devices) == 16 and len({d.process_index for d in devices}) == 2  # two hosts
 
 
+@pytest.mark.slow
 def test_analyze_json_and_dump_show_the_gpu_program(tmp_path, tiny_program, monkeypatch):
   """The command on tiny_program's config reports and dumps tiny_program, which it is handed
   rather than compiling it again: the config it builds from the command line must be the
@@ -491,6 +497,7 @@ def collective_arrays(hlo_text: str) -> set[str]:
           if hlo.collective_kind(inst) for dtype, dims in hlo.arrays(hlo.delivered(inst))}
 
 
+@pytest.mark.slow
 def test_embedding_table_is_never_gathered(tiny_program):
   """The lookup moves rows (an all-to-all over fsdp), not the [V, D] table. Every array with a
   vocabulary dimension (320, or 160 per tensor part) that a collective delivers is one of the
@@ -516,6 +523,7 @@ def logit_positions(compiled) -> int:
              if shape.startswith('f32[') and shape.endswith(f',{V}]') and 'rd,dv->rv' in op)
 
 
+@pytest.mark.slow
 def test_logits_exist_one_chunk_at_a_time(one_b_program):
   """The 1B-width program (2 rows of 4096 per micro-batch, vocabulary 128,256) holds fp32
   logits for model.loss_chunk = 1024 positions at a time, never for the whole sequence."""
@@ -575,6 +583,7 @@ def test_pipeline_gathers_stage_weights_in_bf16(gather, pipeline_program, h100s)
   assert fsdp_dtypes(compiled, 'reduce-scatter') == {'f32'}
 
 
+@pytest.mark.slow
 def test_the_pipeline_runs_the_output_head_once_per_row(pipeline_program):
   """The last stage hands each stage M/S of the finished micro-batches: each device makes the
   logits of its 16 / (data × fsdp × pipe) = 2 rows of 128 positions, not of the 4 its pipe
@@ -666,6 +675,7 @@ def test_context_and_sequence_parallelism_together_move_what_each_does_alone(tin
   assert both_bytes[('fsdp', 'tensor')] < 0.01 * both_bytes[('fsdp',)]
 
 
+@pytest.mark.slow
 def test_each_weight_is_gathered_once_per_pass_whatever_the_remat_policy(h100s):
   """The backward gathers each layer's weights once, whether it reruns the forward (remat)
   or keeps its activations: the rerun forward and the matmuls of the gradients share the
@@ -716,6 +726,7 @@ def test_cublas_gemms_count_their_flops(options, h100s):
         + 2 * 4 * 128 * 256 * 64 / rates.gemm_rate('bf16xbf16->bf16', 4, 128, 64, 256), rel=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('recipe', ['delayed', 'current'])
 def test_fp8_layer_matmuls_are_cublaslt_fp8_calls_and_gather_fp8(recipe, h100s):
   """configs/tiny.py with model.fp8 on 8 H100s: every matmul of the layers (forward, input

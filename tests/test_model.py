@@ -155,6 +155,7 @@ def test_scanned_stack_equals_layer_by_layer_loop(one_device):
   np.testing.assert_allclose(got, layer_by_layer(params), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('policy', ['full', 'dots', 'dots_except_mlp', 'attention'])
 def test_remat_policies_keep_loss_and_gradients(policy, one_device):
   model, tokens = _model_and_tokens()
@@ -232,6 +233,7 @@ def test_packed_rows_give_the_loss_of_one_document_per_row(one_device):
   np.testing.assert_allclose(packed_sum, ref_sum, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_rows_split_over_the_sequence_give_one_device_loss():
   """Context parallelism (rules.seq over fsdp=4, with tensor=2): each device holds 4 of a
   packed row's 16 positions, yet the loss and its gradients are one device's on the same
@@ -351,6 +353,7 @@ def test_packed_cudnn_attention_matches_the_segment_mask(max_documents):
     np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.slow
 def test_dots_except_mlp_keeps_less_than_dots(one_device):
   """The policy drops the MLP's activations: the compiled step needs less scratch memory."""
   _, tokens = _model_and_tokens()

@@ -109,12 +109,13 @@ def test_the_report_prices_the_kernels_and_the_dispatch(qwen3_moe):
   rows = experts.routed_rows(compiled.cfg, compiled.layout.batch_shards)
   assert rows == 4096 * 8
   computations, counts = hlo.program(compiled.text)
+  costs = experts.custom_call_costs(compiled.cfg, compiled.layout.batch_shards)  # as analyze's
   timed = {}
   for comp, insts in computations.items():
     for inst in insts.values() if counts.get(comp) else ():
       call = experts.triton_call(inst)
       if call and call[0] in KERNELS:
-        kernel = timing.kernel_time(computations, comp, inst, H100.rates)
+        kernel = timing.kernel_time(computations, comp, inst, H100.rates, costs)
         timed[call[0]] = (kernel.category, kernel.flops, call[2][0][1])
   # Every call (gate, up, down; forward and gradients) is 2·rows·D·F FLOPs.
   for name, (category, flops, result) in timed.items():

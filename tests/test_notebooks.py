@@ -9,7 +9,7 @@ import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 
-from conftest import REPO
+from conftest import REPO, USER_XLA_FLAGS
 from test_analyze import assert_gpu_reports_meet_the_formulas
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, 'notebooks', '*.ipynb')))
@@ -30,10 +30,12 @@ READ_BACK = {
 @pytest.fixture
 def kernel_env(tmp_path, monkeypatch):
   """A `python3` kernel that is this interpreter, found first whatever else is registered
-  (nothing is installed outside tmp_path); matplotlib without a display."""
+  (nothing is installed outside tmp_path); matplotlib without a display; XLA's flags as a
+  user's (a notebook trains for up to 100 steps: cheap compiles would make it slower)."""
   write_kernel_spec(os.path.join(tmp_path, 'kernels', 'python3'))
   monkeypatch.setenv('JUPYTER_PATH', str(tmp_path))
   monkeypatch.setenv('MPLBACKEND', 'Agg')
+  monkeypatch.setenv('XLA_FLAGS', USER_XLA_FLAGS)
 
 
 @pytest.mark.slow

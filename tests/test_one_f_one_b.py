@@ -147,6 +147,7 @@ CASES = {  # schedule, stages, repeats, micro-batches, remat, the other axes, ru
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('schedule,stages,repeats,microbatches,remat,axes,evaluate',
                          CASES.values(), ids=CASES.keys())
 def test_schedule_equals_plain_stack(schedule, stages, repeats, microbatches, remat, axes,

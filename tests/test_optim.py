@@ -55,6 +55,7 @@ def test_schedule_gives_each_update_its_lr(schedule, warmup, decay, steps, want)
   np.testing.assert_allclose(got, [want(s) for s in range(1, steps + 3)], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_first_update_moves_the_params_during_warmup():
   """Step 1 of a warmup applies lr/warmup_steps, not 0 (every weight matrix moves), and the
   log shows that lr."""
@@ -72,6 +73,7 @@ def test_the_first_update_moves_the_params_during_warmup():
       assert np.mean(got != want) > 0.9, path
 
 
+@pytest.mark.slow
 def test_z_loss_reaches_the_gradients_not_the_logged_loss():
   """optim.z_loss > 0: the first step's logged loss is the same cross-entropy (same initial
   params), its gradients are not (the z term's are added)."""
@@ -85,6 +87,7 @@ def test_z_loss_reaches_the_gradients_not_the_logged_loss():
   assert abs(rows[1.0]['grad_norm'] / rows[0.0]['grad_norm'] - 1) > 0.01
 
 
+@pytest.mark.slow
 def test_a_skipped_step_advances_the_schedule_not_adam():
   """train.skip_nonfinite: after a skipped step the next update is the one a run without it
   makes at the lr the log shows: Adam's bias correction counts updates taken (its count stays),

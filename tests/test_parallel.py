@@ -42,6 +42,7 @@ SPLITS = {  # mesh, micro-batches, rules changed, model fields changed
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh, micro_batches, rules', RUNS.values(), ids=RUNS.keys())
 def test_mesh_trains_like_one_device(mesh, micro_batches, rules, corpus, one_device_run):
   """Three steps on text rows: losses, gradient norms and parameters as on one device."""
@@ -57,6 +58,7 @@ def test_mesh_trains_like_one_device(mesh, micro_batches, rules, corpus, one_dev
   assert_params_close(jax.device_get(state.params), ref_params)
 
 
+@pytest.mark.slow
 def test_bf16_mesh_gradients_match_one_device(corpus):
   """bf16 compute (fp32 params) on data=2 × fsdp=2 × tensor=2, 2 micro-batches: the first
   step's loss and gradients against one device's, also in bf16.
@@ -101,6 +103,7 @@ def one_device_gradients(short_documents):
   return gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh, micro_batches, rules, model', SPLITS.values(), ids=SPLITS.keys())
 def test_split_gradients_match_one_device(mesh, micro_batches, rules, model, short_documents,
                                           one_device_gradients):
@@ -118,6 +121,7 @@ def test_split_gradients_match_one_device(mesh, micro_batches, rules, model, sho
 
 
 
+@pytest.mark.slow
 def test_context_parallel_on_padded_unpacked_rows_matches_one_device(short_documents):
   """data.packing=False on documents shorter than a row: one document per row, then padding
   (position 0, no segment ids). Split over fsdp=4 × tensor=2 with the sequence on fsdp, the
@@ -139,6 +143,7 @@ def test_context_parallel_on_padded_unpacked_rows_matches_one_device(short_docum
   for path, (got, want) in zip(leaf_paths(ref_grads), paired_leaves(grads, ref_grads)):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max(), err_msg=path)
 
+@pytest.mark.slow
 def test_micro_batches_equal_one_large_batch(corpus):
   """k micro-batches of b sequences give the update of one batch of k·b."""
   results = []
@@ -261,6 +266,7 @@ ZERO_RUNS = {  # mesh, micro-batches, sharding.zero
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh, micro_batches, zero', ZERO_RUNS.values(), ids=ZERO_RUNS.keys())
 def test_zero_trains_like_one_device(mesh, micro_batches, zero, corpus, one_device_run):
   ref_params, ref_losses, ref_grad_norms = one_device_run
@@ -278,6 +284,7 @@ def _per_device_bytes(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow
 def test_zero_splits_the_moments_over_data_not_the_params():
   """data=4 × fsdp=2, read from the arrays' own shardings: ZeRO-1 keeps a quarter of each
   moment per device (every one has a dimension that splits 4 ways more); the params, and the

@@ -60,6 +60,7 @@ CASES = ([(S, R, M, 'none') for S in (2, 4) for R in (1, 2) for M in (S, 2 * S)]
          + [(2, 1, 2, 'dots_except_mlp'), (2, 2, 4, 'full')])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('stages,repeats,microbatches,remat', CASES)
 def test_pipeline_equals_plain_stack(stages, repeats, microbatches, remat, plain_stack):
   """Outputs and gradients match for GPipe and circular, whatever the remat; bubbles are fed
@@ -85,6 +86,7 @@ def test_pipeline_equals_plain_stack(stages, repeats, microbatches, remat, plain
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_a_bf16_pipeline_trains_on_the_cpu():
   """bf16 compute through GPipe on the CPU: XLA's CPU compiler aborted the process (exit 134)
   in its all-reduce-promotion pass, on the bf16 reduce-scatter of the pipeline's outputs over
@@ -121,6 +123,7 @@ PIPE_MESHES = {  # mesh, pipeline settings, train.micro_batches, sharding.zero
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh,pipeline,micro_batches,zero', PIPE_MESHES.values(),
                          ids=PIPE_MESHES.keys())
 def test_pipelined_training_matches_one_device(mesh, pipeline, micro_batches, zero, corpus,
@@ -139,6 +142,7 @@ def test_pipelined_training_matches_one_device(mesh, pipeline, micro_batches, ze
   assert_params_close(params, ref_params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat,pipeline', [('full', {}),
                                              ('dots', dict(schedule='circular', repeats=2))],
                          ids=['full_gpipe', 'dots_circular'])
@@ -161,6 +165,7 @@ def test_pipelined_step_gradients_match_one_device(remat, pipeline, corpus,
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_each_device_holds_only_its_stage():
   """pipe=2 × fsdp=2 × tensor=2: a stacked weight is split 2 ways on layers, then fsdp/tensor."""
   cfg = small_config(pipe=2, fsdp=2, tensor=2)
@@ -251,6 +256,7 @@ def loop_collectives(text: str) -> set[str]:
   return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('gather,in_loops', [
     ('step', {'collective-permute'}),
     ('iteration', {'collective-permute', 'all-gather', 'reduce-scatter'}),

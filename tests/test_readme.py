@@ -685,6 +685,7 @@ def test_generate_from_a_hugging_face_checkpoint(family, family_checkpoints, tmp
   assert out.startswith('The mesh'), out
 
 
+@pytest.mark.slow
 def test_pretokenize_then_train_on_the_shards(tmp_path):
   """configs/X.py is configs/tiny.py; its training run is the tiny run's program (same steps)."""
   cwd = readme_cwd(tmp_path)

@@ -155,10 +155,15 @@ class Calibration:
     self.peak.setdefault(kind, []).append(peak / e.memory)
 
   def least_step(self, kind: tuple, e: Estimate) -> float | None:
-    """Its kind's smallest ratio (any kind's before one of its own is compiled) times its
-    estimate, less MARGIN; None before any candidate is compiled."""
-    ratios = self.step.get(kind) or [r for rs in self.step.values() for r in rs]
-    return e.step_s * min(ratios) * (1 - MARGIN) if ratios else None
+    """Its kind's smallest ratio times its estimate, less MARGIN or less as much as the ratios
+    within a kind have been seen to spread, whichever is more (a small model's steps are
+    latency that the estimate does not see, and its ratios spread by several times); None
+    before one of its kind is compiled (another kind's ratio says nothing of it)."""
+    ratios = self.step.get(kind)
+    if not ratios:
+      return None
+    spread = min(min(rs) / max(rs) for rs in self.step.values())
+    return e.step_s * min(ratios) * min(spread, 1 - MARGIN)
 
   def least_peak(self, kind: tuple, e: Estimate) -> float | None:
     """As `least_step`, for the peak memory; None before one of its kind is compiled (the kept
