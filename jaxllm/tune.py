@@ -1,8 +1,9 @@
 """`python -m jaxllm.tune --config configs/X.py --devices N [--hardware h100-nvlink] [--measure K]`
 
 Tries every mesh data·fsdp·pipe·tensor = N that the model allows, with each remat policy,
-micro-batch count, ZeRO stage, sequence or context split, loss chunk and (on meshes with
-pipe > 1) pipeline schedule asked for, and ranks those that fit what a process may use of the
+micro-batch count, ZeRO stage, sequence or context split, loss chunk, (on meshes with
+pipe > 1) pipeline schedule and (with experts) dispatch, capacity factor and expert placement
+asked for, and ranks those that fit what a process may use of the
 device's memory by predicted step time. Each candidate is first estimated from its shapes
 (`jaxllm.cost.estimate`); those the estimate rules out are left out, the rest are compiled from
 shapes for the profile's GPU (as `jaxllm.analyze` does, with its --compiler and --devices), best
@@ -29,7 +30,7 @@ from tqdm import tqdm
 from jaxllm import analyze
 from jaxllm.backends import user_cache
 from jaxllm.cli import main_guard
-from jaxllm.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ConfigError
+from jaxllm.config import DISPATCHES, MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES, ConfigError
 from jaxllm.cost.report import seconds_text
 from jaxllm.cost.tune import LEFT_OUT, SPLITS, Outcome, Progress, Space, format_table, rank
 from jaxllm.parallel.mesh import sharding_context
@@ -47,6 +48,14 @@ _LOSS_CHUNK = flags.DEFINE_list('loss-chunk', [],
 _SCHEDULES = flags.DEFINE_list('schedules', list(PIPELINE_SCHEDULES),
                                'pipeline.schedule values to try on meshes with pipe > 1 '
                                '(circular and interleaved_1f1b with repeats=2).')
+_DISPATCH = flags.DEFINE_list('dispatch', [], 'A model with experts: model.moe.dispatch values '
+                              f'to try, from {", ".join(DISPATCHES)} (default: the config\'s).')
+_CAPACITY = flags.DEFINE_list('capacity', [], 'A model with experts: model.moe.capacity_factor '
+                              'values to try, 0 for dropless (default: the config\'s).')
+_EXPERT_AXES = flags.DEFINE_list('expert-axes', [], 'A model with experts: the mesh axes to '
+                                 'split the experts over (sharding.rules.experts), joined by + '
+                                 'within one placement, e.g. fsdp,data+fsdp (default: the '
+                                 'config\'s).')
 _EXHAUSTIVE = flags.DEFINE_bool('exhaustive', False, 'Compile every candidate whose state fits, '
                                 'none left out by its estimate.')
 _TOP = flags.DEFINE_integer('top', 5, 'The best this many are ranked in their exact order (the '
@@ -98,8 +107,24 @@ def check_flags() -> Space:
   if zero and max(zero) > 2:
     raise ConfigError(f'--zero={",".join(_ZERO.value)}: ZeRO stages are 0, 1 and 2.')
   chunks = _integers(_LOSS_CHUNK, 0, '0,1024') if _LOSS_CHUNK.value else ()
+  for dispatch in _DISPATCH.value:
+    if dispatch not in DISPATCHES:
+      raise ConfigError(f'--dispatch={dispatch!r} is unknown; model.moe.dispatch takes '
+                        f'{", ".join(DISPATCHES)}.')
+  try:
+    capacity = tuple(float(v) for v in _CAPACITY.value)
+  except ValueError:
+    capacity = (-1.0,)
+  if any(not (math.isfinite(f) and f >= 0) for f in capacity):
+    raise ConfigError(f'--capacity={",".join(_CAPACITY.value)} must be capacity factors of at '
+                      'least 0 (0: dropless), e.g. 0,1.25.')
+  expert_axes = tuple(tuple(a.split('+')) for a in _EXPERT_AXES.value)
+  for axes in expert_axes:
+    if not set(axes) <= set(MESH_AXES) or len(set(axes)) < len(axes):
+      raise ConfigError(f'--expert-axes={"+".join(axes)} must name mesh axes from '
+                        f'{", ".join(MESH_AXES)}, each once, joined by +, e.g. fsdp,data+fsdp.')
   return Space(tuple(remats), _integers(_MICRO_BATCHES, 1, '1,2,4'), zero, tuple(_SPLITS.value),
-               chunks, tuple(_SCHEDULES.value))
+               chunks, tuple(_SCHEDULES.value), tuple(_DISPATCH.value), capacity, expert_axes)
 
 
 def measure(c: ConfigDict, steps: int, devices=None) -> float:
@@ -122,6 +147,9 @@ def measure(c: ConfigDict, steps: int, devices=None) -> float:
 def main(argv: list[str]) -> None:
   cfg, hardware, devices = analyze.parse_and_place(argv)
   space = check_flags()
+  if not cfg.model.moe.experts and (space.dispatch or space.capacity or space.expert_axes):
+    raise ConfigError('--dispatch, --capacity and --expert-axes search a model with experts; '
+                      'this config has none (model.moe.experts=0): leave them out.')
   if hardware.rates is None:
     raise ConfigError(f'--hardware={hardware.name} has no measured kernel rates to rank by; use '
                       'h100-nvlink or h200-nvlink (analyze still reads its memory and traffic).')

@@ -32,7 +32,7 @@ from jaxllm.cost.estimate import Estimate
 from jaxllm.cost.hardware import PROFILES, axes_across_nodes
 from jaxllm.cost.report import analyze, collective_table, memory
 from jaxllm.cost.traffic import expected_bytes
-from jaxllm.cost.tune import (Space, candidates, factorisations, format_table,
+from jaxllm.cost.tune import (Space, candidates, experts_text, factorisations, format_table,
                                pipeline_text, rank)
 from jaxllm.train import setup
 
@@ -612,6 +612,54 @@ def test_tune_searches_zero_splits_and_loss_chunks(tiny_config):
   assert rings.model.collective_matmul and rings.sharding.rules.act_seq == ('tensor',)
 
 
+def tiny_moe():
+  return load_config(os.path.join(REPO, 'configs', 'tiny_moe.py'))
+
+
+EXPERT_SPACE = Space(('none',), dispatch=('ring', 'all_to_all'), capacity=(0.0, 1.25),
+                     expert_axes=(('fsdp',), ('data', 'fsdp')))
+
+
+def test_tune_searches_the_experts_dispatch_capacity_and_placement():
+  """With experts, each dispatch, capacity factor and placement asked for is a candidate on
+  each mesh, carrying its own values; a placement whose axes do not divide the 8 experts, or
+  that splits them over axes of size 1 only, is refused by the config's own checks. A dense
+  model has one candidate a mesh, the config's."""
+  found = list(candidates(tiny_moe(), 4, EXPERT_SPACE))
+  meshes = factorisations(4, 4)
+  assert len(found) == len(meshes) * 2 * 2 * 2
+  settings = lambda c: (c.model.moe.dispatch, c.model.moe.capacity_factor,
+                        tuple(c.sharding.rules.experts))
+  assert {settings(c) for c, _, _ in found} == {
+      (d, f, a) for d in ('ring', 'all_to_all') for f in (0.0, 1.25)
+      for a in (('fsdp',), ('data', 'fsdp'))}
+  valid = {(tuple(c.mesh[a] for a in ('data', 'fsdp', 'pipe', 'tensor')), *settings(c))
+           for c, _, reason in found if reason is None}
+  assert ((1, 4, 1, 1), 'all_to_all', 1.25, ('fsdp',)) in valid
+  assert ((2, 2, 1, 1), 'ring', 0.0, ('data', 'fsdp')) in valid
+  assert experts_text(next(c for c, _, r in found if r is None and c.model.moe.capacity_factor
+                           and c.model.moe.dispatch == 'ring'
+                           and c.sharding.rules.experts == ('data', 'fsdp'))) == (
+      'ring 1.25 data+fsdp')
+  assert len(list(candidates(small_config(), 4, EXPERT_SPACE))) == len(meshes)
+
+
+@pytest.mark.parametrize('args, message', [
+    (['configs/tiny.py', '--dispatch=ring'],
+     '--dispatch, --capacity and --expert-axes search a model with experts'),
+    (['configs/tiny_moe.py', '--dispatch=ring,gather'], "--dispatch='gather' is unknown"),
+    (['configs/tiny_moe.py', '--capacity=1.25,-1'], '--capacity=1.25,-1 must be'),
+    (['configs/tiny_moe.py', '--expert-axes=fsdp,data+experts'],
+     '--expert-axes=data+experts must name mesh axes'),
+], ids=['dense', 'dispatch', 'capacity', 'axes'])
+def test_tune_expert_flags_are_checked_in_one_line(args, message):
+  """The expert flags, on a dense model (they would search nothing) or with a value the
+  config does not take: one line naming the flag, exit status 2."""
+  result = run_cli_in_process('--config', *args, '--devices', '1', module='jaxllm.tune')
+  assert result.returncode == 2, result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
 def test_tune_tries_each_pipeline_schedule_on_meshes_with_stages(tiny_config):
   """A candidate per schedule on each mesh with pipe > 1 (one on pipe=1, which runs none),
   circular and interleaved 1F1B at repeats=2, refused by the config's checks where tiny's 4
@@ -632,7 +680,8 @@ def test_tune_tries_each_pipeline_schedule_on_meshes_with_stages(tiny_config):
   times = dict.fromkeys(('step_s', 'gemm_s', 'attention_s', 'memory_s', 'launch_s',
                          'exposed_comm_s', 'tokens_per_s', 'mfu'), 1.0)
   rows = [{'mesh': dict(c.mesh), 'remat': 'none', 'micro_batches': 1, 'zero': 0, 'split': split,
-           'loss_chunk': 0, 'pipeline': pipeline_text(c), 'memory': 2**20, **times}
+           'loss_chunk': 0, 'pipeline': pipeline_text(c), 'experts': '-', 'memory': 2**20,
+           **times}
           for c, split, reason in found if reason is None]
   table = format_table(rows, {}, H100, jax.devices()[:4]).splitlines()[2:-1]
   assert {(tuple(map(int, line.split()[1:5])), line.split()[10]) for line in table} == valid

@@ -311,6 +311,28 @@ def test_every_families_doc_code_block_is_in_its_table():
       assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
 
 
+# docs/moe.md, tested the same way.
+MOE_DOC = os.path.join(REPO, 'docs', 'moe.md')
+MOE_TUNE = ('python -m jaxllm.tune --config configs/tiny_moe.py --devices 2 --compiler cpu '
+            '--remat none --micro-batches 1 --dispatch ring,all_to_all')
+MOE_DOC_TABLE = {
+    MOE_TUNE: run_by('test_the_moe_doc_s_search_ranks_both_dispatches'),
+    'text: experts 8 in 4 of 4 layers, top-2 sigmoid router; 0.58M parameters active per token; '
+    'split over fsdp=8 (1 per device), ring dispatch, dropless':
+        run_by('test_the_tiny_moe_trains_and_reports_its_experts'),
+}
+
+
+def test_every_moe_doc_code_block_is_in_its_table():
+  items = readme_items(MOE_DOC)
+  assert sorted(key for _, key in items) == sorted(MOE_DOC_TABLE), (
+      'code blocks of docs/moe.md and MOE_DOC_TABLE differ: run a new one in '
+      'tests/test_readme.py and add it to the table')
+  for key, how in MOE_DOC_TABLE.items():
+    for test in how.tests:
+      assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
+
+
 # ----------------------------------------------------------------------------- running
 
 def bracket_free(text: str) -> str:
@@ -562,6 +584,24 @@ def test_train_command_runs_as_printed(key, tmp_path):
     assert 'pipeline gpipe: S=2 stages × R=1 repeats, M=4 micro-batches' in result.stdout
     losses = [r['loss'] for r in metric_rows(workdir) if 'loss' in r]
     assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.slow
+def test_the_moe_doc_s_search_ranks_both_dispatches(tmp_path):
+  """docs/moe.md's tune command as printed: the meshes of 2 devices (and schedules, on pipe=2)
+  with each dispatch; each ranked row names its experts' settings in the table's experts
+  column."""
+  assert MOE_TUNE in {k for _, k in readme_items(MOE_DOC)}
+  # A process of its own: this one's backends have started with 8 devices, not 2.
+  out = run(shlex.split(MOE_TUNE), readme_cwd(tmp_path), fresh=True).stdout
+  lines = out.splitlines()
+  header = next(i for i, line in enumerate(lines) if line.lstrip().startswith('#  data'))
+  assert lines[header].split()[-1] == 'experts'
+  rows = [line.split() for line in lines[header + 1:] if re.match(r' *\d+  ', line)]
+  settings = {(tuple(map(int, r[1:5])), ' '.join(r[-3:])) for r in rows}
+  assert {s for _, s in settings} == {'ring dropless fsdp', 'all_to_all dropless fsdp'}
+  meshes = lambda dispatch: {m for m, s in settings if s.startswith(dispatch + ' ')}
+  assert meshes('ring') == meshes('all_to_all') >= {(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1)}
 
 
 MOE_STEPS = 30

@@ -1,5 +1,6 @@
 """Every mesh data·fsdp·pipe·tensor of N devices the model allows, with each micro-batch
-count, remat policy and (pipe > 1) pipeline schedule: compiled from shapes, those that do not
+count, remat policy, (pipe > 1) pipeline schedule and (with experts) dispatch, capacity and
+expert placement: compiled from shapes, those that do not
 fit left out, the rest ranked by predicted step time (`python -m jaxllm.tune` also times the best
 for a few real steps)."""
 
@@ -70,6 +71,23 @@ class Space:
   splits: tuple[str, ...] = ('none',)
   loss_chunk: tuple[int, ...] = ()
   schedules: tuple[str, ...] = ()
+  # A model with experts: how tokens reach them, the capacity factor (0: dropless) and the
+  # mesh axes the experts split over (sharding.rules.experts).
+  dispatch: tuple[str, ...] = ()
+  capacity: tuple[float, ...] = ()
+  expert_axes: tuple[tuple[str, ...], ...] = ()
+
+  def expert_fields(self, cfg: ConfigDict) -> list[dict]:
+    """The expert settings to try, as config fields (the config's own where none are asked,
+    and for a dense model)."""
+    if not cfg.model.moe.experts:
+      return [{}]
+    return [{'model.moe.dispatch': d, 'model.moe.capacity_factor': f,
+             'sharding.rules.experts': tuple(a)}
+            for d, f, a in itertools.product(
+                self.dispatch or (cfg.model.moe.dispatch,),
+                self.capacity or (cfg.model.moe.capacity_factor,),
+                self.expert_axes or (tuple(cfg.sharding.rules.experts),))]
 
 
 def candidates(cfg: ConfigDict, devices: int, space: Space, hosts: int = 1):
@@ -79,13 +97,13 @@ def candidates(cfg: ConfigDict, devices: int, space: Space, hosts: int = 1):
   # A mesh with pipe=1 runs no schedule: one candidate each, the config's (None).
   meshes = [(sizes, schedule) for sizes in factorisations(devices, len(MESH_AXES))
             for schedule in (space.schedules if sizes[pipe] > 1 else ()) or (None,)]
-  for (sizes, schedule), remat, micro, zero, split, chunk in itertools.product(
+  for (sizes, schedule), remat, micro, zero, split, chunk, experts in itertools.product(
       meshes, space.remat, space.micro_batches,
       space.zero or (cfg.sharding.zero,), space.splits,
-      space.loss_chunk or (cfg.model.loss_chunk,)):
+      space.loss_chunk or (cfg.model.loss_chunk,), space.expert_fields(cfg)):
     c = with_fields(cfg, {**SPLITS[split][1], 'model.remat': remat,
                           'train.micro_batches': micro, 'sharding.zero': zero,
-                          'model.loss_chunk': chunk})
+                          'model.loss_chunk': chunk, **experts})
     c.mesh.update(dict(zip(MESH_AXES, sizes)))
     if c.mesh.pipe > 1:
       c.pipeline.microbatches = 0  # the default, 2 × stages
@@ -108,6 +126,16 @@ def candidates(cfg: ConfigDict, devices: int, space: Space, hosts: int = 1):
       yield c, split, str(e)
       continue
     yield c, split, None
+
+
+def experts_text(c: ConfigDict) -> str:
+  """A row's expert settings: '-' for a dense model, else e.g. 'ring 1.25 fsdp' (the dispatch,
+  the capacity factor or 'dropless', the axes the experts split over)."""
+  m = c.model.moe
+  if not m.experts:
+    return '-'
+  capacity = f'{m.capacity_factor:g}' if m.capacity_factor else 'dropless'
+  return f'{m.dispatch} {capacity} {"+".join(c.sharding.rules.experts) or "-"}'
 
 
 def pipeline_text(c: ConfigDict) -> str:
@@ -144,7 +172,8 @@ class Outcome:
     c = self.config
     return {'mesh': {a: c.mesh[a] for a in MESH_AXES}, 'remat': c.model.remat,
             'micro_batches': c.train.micro_batches, 'zero': c.sharding.zero,
-            'split': self.split, 'loss_chunk': c.model.loss_chunk, 'pipeline': pipeline_text(c)}
+            'split': self.split, 'loss_chunk': c.model.loss_chunk, 'pipeline': pipeline_text(c),
+            'experts': experts_text(c)}
 
   def row(self) -> dict:
     """A ranked candidate as the table and --json show it."""
@@ -236,10 +265,13 @@ class Progress:
     print(line, file=sys.stderr)
 
 
-def kind(o: Outcome) -> tuple[str, str]:
-  """What the estimate errs alike on: the remat policy and the pipeline schedule."""
+def kind(o: Outcome) -> tuple[str, str, str]:
+  """What the estimate errs alike on: the remat policy, the pipeline schedule and the experts'
+  dispatch and capacity (the estimate does not see the experts' work)."""
   c = o.config
-  return c.model.remat, c.pipeline.schedule if c.mesh.pipe > 1 else '-'
+  m = c.model.moe
+  return (c.model.remat, c.pipeline.schedule if c.mesh.pipe > 1 else '-',
+          f'{m.dispatch} {m.capacity_factor:g}' if m.experts else '-')
 
 
 @dataclasses.dataclass
@@ -317,6 +349,9 @@ def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -
            f'{"micro":>5} {"zero":>4} {"split":5} {"chunk":>5} {"pipeline":18}  '
            f'{"memory/device":>13}  {"step":>10}  {"tokens/s":>12}  {"MFU":>6}  {"matmul":>6} '
            f'{"memory":>6} {"comm":>6}']
+  experts = any(r['experts'] != '-' for r in rows)  # a column for a model with experts
+  if experts:
+    lines[1] += f'  {"experts":20}'
   for i, r in enumerate(rows, 1):
     m, step = r['mesh'], r['step_s']
     lines.append(
@@ -325,7 +360,8 @@ def format_table(rows: list[dict], skipped: dict, hardware: Hardware, devices) -
         f'{r["loss_chunk"]:>5} {r["pipeline"]:18}  {size_text(r["memory"]):>13}  '
         f'{seconds_text(step):>10}  {r["tokens_per_s"]:>12,.0f}  {r["mfu"]:>6.1%}  '
         f'{(r["gemm_s"] + r["attention_s"]) / step:>6.0%} '
-        f'{(r["memory_s"] + r["launch_s"]) / step:>6.0%} {r["exposed_comm_s"] / step:>6.0%}')
+        f'{(r["memory_s"] + r["launch_s"]) / step:>6.0%} {r["exposed_comm_s"] / step:>6.0%}'
+        + (f'  {r["experts"]:20}' if experts else ''))
   lines.append('matmul: GEMMs and attention; memory: memory-bound kernels and launches; comm: '
                'communication not hidden behind kernels (shares of the step)')
   return '\n'.join(lines)
