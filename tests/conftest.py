@@ -34,8 +34,10 @@ from jaxllm.config import default_config
 # the CLI's 60) goes without them: USER_XLA_FLAGS. The CPU program fuses differently without
 # the emitters (the collectives and shardings tests read are the same); GPU programs
 # are the same, byte for byte. Set before the backends start; commands a test starts inherit.
-CHEAP_CPU_COMPILES = ('--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true '
-                      '--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1')
+CHEAP_CPU_COMPILES = ('--xla_backend_optimization_level=0 '
+                      '--xla_llvm_disable_expensive_passes=true '
+                      '--xla_cpu_use_fusion_emitters=false '
+                      '--xla_cpu_parallel_codegen_split_count=1')
 USER_XLA_FLAGS = os.environ.get('XLA_FLAGS', '').replace(CHEAP_CPU_COMPILES, '').strip()
 os.environ['XLA_FLAGS'] = f'{USER_XLA_FLAGS} {CHEAP_CPU_COMPILES}'.strip()
 _BACKENDS = default_config()

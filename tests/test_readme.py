@@ -300,15 +300,21 @@ FAMILIES_DOC_TABLE = {
         run_by(FAMILIES_ANALYZED) for name in FAMILY_CONFIGS}
 
 
-def test_every_families_doc_code_block_is_in_its_table():
-  items = readme_items(FAMILIES_DOC)
-  assert sorted(key for _, key in items) == sorted(FAMILIES_DOC_TABLE), (
-      'code blocks of docs/families.md and FAMILIES_DOC_TABLE differ: run a new one in '
+def assert_doc_table(doc: str, table: dict) -> None:
+  """Every code block of `doc` is a key of `table`, and every key is one of its blocks, run by
+  a test of this module or said why not."""
+  items = readme_items(doc)
+  assert sorted(key for _, key in items) == sorted(table), (
+      f'code blocks of {os.path.relpath(doc, REPO)} and its table differ: run a new one in '
       'tests/test_readme.py and add it to the table')
-  for key, how in FAMILIES_DOC_TABLE.items():
+  for key, how in table.items():
     assert how.tests or how.note, f'{key}: neither run nor said why not'
     for test in how.tests:
       assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
+
+
+def test_every_families_doc_code_block_is_in_its_table():
+  assert_doc_table(FAMILIES_DOC, FAMILIES_DOC_TABLE)
 
 
 # docs/moe.md, tested the same way.
@@ -324,13 +330,7 @@ MOE_DOC_TABLE = {
 
 
 def test_every_moe_doc_code_block_is_in_its_table():
-  items = readme_items(MOE_DOC)
-  assert sorted(key for _, key in items) == sorted(MOE_DOC_TABLE), (
-      'code blocks of docs/moe.md and MOE_DOC_TABLE differ: run a new one in '
-      'tests/test_readme.py and add it to the table')
-  for key, how in MOE_DOC_TABLE.items():
-    for test in how.tests:
-      assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
+  assert_doc_table(MOE_DOC, MOE_DOC_TABLE)
 
 
 # ----------------------------------------------------------------------------- running
