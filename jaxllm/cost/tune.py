@@ -1,8 +1,7 @@
 """Every mesh data·fsdp·pipe·tensor of N devices the model allows, with each micro-batch
 count, remat policy, (pipe > 1) pipeline schedule and (with experts) dispatch, capacity and
-expert placement: compiled from shapes, those that do not
-fit left out, the rest ranked by predicted step time (`python -m jaxllm.tune` also times the best
-for a few real steps)."""
+expert placement: compiled from shapes, those that do not fit left out, the rest ranked by
+predicted step time (`python -m jaxllm.tune` also times the best for a few real steps)."""
 
 from __future__ import annotations
 
