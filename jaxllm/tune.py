@@ -3,8 +3,8 @@
 Tries every mesh data·fsdp·pipe·tensor = N that the model allows, with each remat policy,
 micro-batch count, ZeRO stage, sequence or context split, loss chunk, (on meshes with
 pipe > 1) pipeline schedule and (with experts) dispatch, capacity factor and expert placement
-asked for, and ranks those that fit what a process may use of the
-device's memory by predicted step time. Each candidate is first estimated from its shapes
+asked for, and ranks those that fit what a process may use of the device's memory by
+predicted step time. Each candidate is first estimated from its shapes
 (`jaxllm.cost.estimate`); those the estimate rules out are left out, the rest are compiled from
 shapes for the profile's GPU (as `jaxllm.analyze` does, with its --compiler and --devices), best
 estimate first, in parallel processes, each compiled program kept in a cache. `--exhaustive`
