@@ -407,7 +407,7 @@ def searched(steps: dict[int, float], estimates: dict[int, float], top: int | No
       order.append(config.train.seed)
       done = concurrent.futures.Future()
       done.set_result(types.SimpleNamespace(
-          log=[], compile_s=0.0, cached=False, error='', fits=True,
+          log=[], compile_s=0.0, cached=False, error='',
           report={'memory': {'peak': 1.0}, 'prediction': {'step_s': steps[config.train.seed]},
                   'fits': True}))
       return done
