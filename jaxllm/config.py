@@ -86,8 +86,9 @@ def default_config() -> ConfigDict:
   # latency-hiding scheduler lets GPU collectives overlap compute; CPUs ignore GPU flags.
   c.xla_flags = '--xla_gpu_enable_latency_hiding_scheduler=true'
   # A training run keeps its compiled programs here, and the next run of the same programs
-  # reads them back instead of compiling. 'auto': jaxllm/compilation under the user's cache
-  # directory ($XDG_CACHE_HOME, else ~/.cache); '': no cache.
+  # reads them back instead of compiling (programs for GPUs that are not there: their kernels).
+  # 'auto': jaxllm/compilation under the user's cache directory ($XDG_CACHE_HOME, else
+  # ~/.cache); '': no cache.
   c.compilation_cache = 'auto'
 
   c.model = ConfigDict(dict(

@@ -207,14 +207,16 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(corpus, tmp_path, 
 
 
 @pytest.fixture(scope='module')
-def saved_at_2_and_4(tmp_path_factory):
+def saved_at_2_and_4():
   """`small_config` trained 4 steps on one device, checkpointed at steps 2 and 4: its run
-  directory, for each test to copy."""
-  workdir = tmp_path_factory.mktemp('saved') / 'run'
-  cfg = small_config()
-  cfg.train.steps, cfg.checkpoint.every = 4, 2
-  train(cfg, str(workdir), jax.devices()[:1])
-  return workdir
+  directory, for each test to copy. Made once per run."""
+  def saved():
+    workdir = os.path.join(run_dir('saved_at_2_and_4'), 'run')
+    cfg = small_config()
+    cfg.train.steps, cfg.checkpoint.every = 4, 2
+    train(cfg, workdir, jax.devices()[:1])
+    return workdir
+  return once_per_run('saved_at_2_and_4', saved)
 
 
 @pytest.mark.slow

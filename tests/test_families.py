@@ -16,7 +16,7 @@ from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextCon
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from conftest import paired_leaves, small_config, step_gradients, text_config
+from conftest import once_per_run, paired_leaves, small_config, step_gradients, text_config
 from jaxllm import hf
 from jaxllm.config import ConfigError, default_config
 from jaxllm.decode import generate
@@ -242,12 +242,14 @@ def family_config(corpus, name, **mesh):
 @pytest.fixture(scope='module')
 def family_gradients(short_documents):
   """The first step's loss and gradients of each family's model on one device (fp32), on
-  rows packed with several documents; made once per family."""
+  rows packed with several documents; made once per family per run."""
   made = {}
 
   def gradients(name):
     if name not in made:
-      made[name] = step_gradients(family_config(short_documents, name), jax.devices()[:1])
+      made[name] = once_per_run(
+          f'test_families.family_gradients.{name}',
+          lambda: step_gradients(family_config(short_documents, name), jax.devices()[:1]))
     return made[name]
   return gradients
 

@@ -110,6 +110,26 @@ def test_the_program_is_the_h100s(tiny_program):
 
 
 @pytest.mark.slow
+def test_kernels_kept_in_the_cache_make_the_same_program(h100s, tmp_path):
+  """A compile for GPUs that are not there keeps its kernels in the compilation cache, one file
+  per kind of GPU; a later compile that finds them all there adds none (the file is left as
+  it was) and makes the program, memory and all, that a compile without the cache makes."""
+  cfg = small_config()
+  cfg.model.dtype = 'bfloat16'
+  path = backends.gpu_kernel_file(str(tmp_path), h100s[0])
+  programs, kept = [], []
+  for cache in ('', str(tmp_path), str(tmp_path)):  # one line: the same source locations
+    cfg.compilation_cache = cache
+    programs.append(compile_step(cfg, h100s[:1]))
+    kept.append(os.listdir(os.path.dirname(path)) and (os.stat(path).st_mtime_ns,
+                                                        os.path.getsize(path)))
+  assert kept[0] == [] and kept[1] and kept[2] == kept[1]
+  assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+  plain, _, again = programs
+  assert (again.text, again.memory) == (plain.text, plain.memory)
+
+
+@pytest.mark.slow
 def test_cudnn_flash_attention_runs_both_ways(tiny_program, one_b_program):
   """Forward and backward are cuDNN flash kernels, one pair per layer per micro-batch (plus a
   forward recomputed under remat='dots'). Packed rows reach them in cuDNN's packed layout:

@@ -13,7 +13,8 @@ from flax import nnx
 from ml_collections import FrozenConfigDict
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from conftest import assert_params_close, leaf_paths, paired_leaves, step_gradients, text_config
+from conftest import (assert_params_close, leaf_paths, once_per_run, paired_leaves, step_gradients,
+                      text_config)
 from jaxllm.config import ConfigError, default_config
 from jaxllm.metrics import param_counts
 from jaxllm.model import KVCache, Transformer, sequence_positions
@@ -325,7 +326,7 @@ def first_step(cfg, devices=None):
 @pytest.fixture(scope='module')
 def one_device_step(short_documents):
   """`first_step` on one device of `moe_config` with these moe fields and micro-batches;
-  made once each."""
+  made once each per run."""
   made = {}
 
   def reference(micro_batches, **moe):
@@ -334,7 +335,8 @@ def one_device_step(short_documents):
       cfg = moe_config(short_documents)
       cfg.model.moe.update(moe)
       cfg.train.micro_batches = micro_batches
-      made[key] = first_step(cfg, jax.devices()[:1])
+      made[key] = once_per_run(f'test_moe.one_device_step{key}',
+                               lambda: first_step(cfg, jax.devices()[:1]))
     return made[key]
   return reference
 
@@ -507,10 +509,13 @@ def sigmoid_one_device_run(corpus):
   """3 steps of `sigmoid_config` on one device: (params, router biases), the logged rows.
   On the corpus of long documents: on rows of many tiny ones, some attention-output weights
   get gradients near 0, and Adam's g/√v turns reduction-order noise there into 1e-4 of the
-  tensor in 3 steps, experts or not (measured)."""
+  tensor in 3 steps, experts or not (measured). Made once per run."""
   from jaxllm.train import train
-  state, history = train(sigmoid_config(corpus), devices=jax.devices()[:1])
-  return jax.device_get((state.params, state.router_bias)), history
+
+  def run():
+    state, history = train(sigmoid_config(corpus), devices=jax.devices()[:1])
+    return jax.device_get((state.params, state.router_bias)), history
+  return once_per_run('test_moe.sigmoid_one_device_run', run)
 
 
 def assert_run_is(state, history, reference):

@@ -560,7 +560,7 @@ def test_the_tiny_run_profiles_resumes_generates_and_exports(tiny_run, tmp_path)
 # The pipeline's first command, the one pipelined training run of the suite, trains until it
 # has learned something.
 PIPELINE = 'python -m jaxllm.train --config configs/tiny.py --config.mesh.pipe=2 --config.mesh.fsdp=1'
-PIPELINE_STEPS = 40
+PIPELINE_STEPS = 20  # one logged row: their mean loss is ~4.0, a guess's is ln 320 = 5.77
 
 
 @pytest.mark.slow
@@ -582,8 +582,8 @@ def test_train_command_runs_as_printed(key, tmp_path):
   assert_overrides_in_config_json(words, workdir, shorten)
   if key == PIPELINE:
     assert 'pipeline gpipe: S=2 stages × R=1 repeats, M=4 micro-batches' in result.stdout
-    losses = [r['loss'] for r in metric_rows(workdir) if 'loss' in r]
-    assert losses[-1] < losses[0] - 0.5
+    [loss] = [r['loss'] for r in metric_rows(workdir) if 'loss' in r]
+    assert loss < math.log(320) - 1.0  # a model that learned nothing guesses uniformly
 
 
 @pytest.mark.slow
@@ -604,7 +604,7 @@ def test_the_moe_doc_s_search_ranks_both_dispatches(tmp_path):
   assert meshes('ring') == meshes('all_to_all') >= {(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1)}
 
 
-MOE_STEPS = 30
+MOE_STEPS = 20  # logged every 10: the loss falls ~1.8 between the two rows
 
 
 @pytest.mark.slow

@@ -8,15 +8,11 @@ The key is the lowered program (StableHLO, without source locations), the compil
 and XLA_FLAGS, what the devices are (a GPU's target config, their count and hosts) and the
 versions of JAX and its compilers: anything else that changes the program changes the lowered
 text.
-
-Beside the entries, XLA's GPU compiler keeps its compiled kernels (`kernel_file`): programs that
-share kernels (candidates with the same shapes on a device) skip generating them again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import gzip
 import hashlib
 import json
@@ -24,10 +20,6 @@ import os
 import tempfile
 
 import jax
-
-# Processes that may each keep a kernel file at once (a file is appended to by one at a time).
-KERNEL_FILES = 8
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryStats:
@@ -93,24 +85,3 @@ class ProgramCache:
       json.dump({'memory': dataclasses.asdict(entry.memory), 'compile_s': entry.compile_s,
                  'text': entry.text}, f)
     os.replace(partial, path)
-
-  def kernel_file(self) -> str | None:
-    """A file of XLA's compiled GPU kernels for this process alone (held locked while it
-    lives); None when as many processes hold one already."""
-    if self._kernels is None:
-      directory = os.path.join(self.directory, 'kernels')
-      os.makedirs(directory, exist_ok=True)
-      for slot in range(KERNEL_FILES):
-        target = hashlib.sha256(self.target.encode()).hexdigest()[:12]
-        path = os.path.join(directory, f'jax-{jax.__version__}-{target}-{slot}.bin')
-        fd = os.open(f'{path}.lock', os.O_CREAT | os.O_RDWR)
-        try:
-          fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-          os.close(fd)
-          continue
-        self._kernels = (path, fd)  # the lock lasts as long as the process
-        break
-      else:
-        self._kernels = ('', -1)
-    return self._kernels[0] or None

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
-from jaxllm.backends import compiler_options, compiling_for, lowering_for
+from jaxllm.backends import compiler_options, compiling_for, gpu_kernel_file, lowering_for
 from jaxllm.checkpoint import restore_target
 from jaxllm.config import ConfigError
 from jaxllm.cost.cache import Entry, MemoryStats, ProgramCache
@@ -150,8 +150,8 @@ def compile_step(cfg: ConfigDict, devices=None, cache: ProgramCache | None = Non
   if cache:
     key = cache.key(lowered.as_text(), options)
     entry = cache.get(key)
-    if devices[0].platform == 'gpu' and (kernels := cache.kernel_file()):
-      options['xla_gpu_kernel_cache_file'] = kernels  # the kernels only, not the program
+  if kernels := gpu_kernel_file(cfg.compilation_cache, devices[0]):
+    options['xla_gpu_kernel_cache_file'] = kernels
   cached = entry is not None
   if not cached:
     start = cpu_seconds()
