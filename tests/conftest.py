@@ -31,8 +31,8 @@ from jaxllm.config import default_config
 
 # The CPU programs the tests compile run a few steps: LLVM's optimisations and XLA's CPU fusion
 # emitters take most of a compile (a mesh step compiles in a third of the CPU time without
-# them) and make each step ~2.5x slower, so a process that runs many steps (a notebook's 100,
-# the CLI's 60) goes without them: USER_XLA_FLAGS. The CPU program fuses differently without
+# them) and make each step ~2.5x slower, so a process that runs many steps (a notebook's 60,
+# the CLI's 30) goes without them: USER_XLA_FLAGS. The CPU program fuses differently without
 # the emitters (the collectives and shardings tests read are the same); GPU programs
 # are the same, byte for byte. Set before the backends start; commands a test starts inherit.
 CHEAP_CPU_COMPILES = ('--xla_backend_optimization_level=0 '

@@ -26,8 +26,8 @@ from jaxllm.metrics import MetricsLog
 from jaxllm.validate import validate
 
 
-TINY_RUN = ['--config', 'configs/tiny.py', '--config.train.steps=60', '--config.train.log_every=20',
-            '--config.data.eval_fraction=0.05', '--config.eval.every=30']
+TINY_RUN = ['--config', 'configs/tiny.py', '--config.train.steps=30', '--config.train.log_every=10',
+            '--config.data.eval_fraction=0.05', '--config.eval.every=15']
 
 
 def read_rows(workdir) -> list[dict]:
@@ -49,7 +49,7 @@ def tiny_runs():
       result = subprocess.run([command, *TINY_RUN, *evaluate, f'--workdir={workdir}',
                                f'--config.compilation_cache={root}/cache'],
                               cwd=REPO, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, 'XLA_FLAGS': USER_XLA_FLAGS})  # 60 steps
+                              env={**os.environ, 'XLA_FLAGS': USER_XLA_FLAGS})  # 30 steps
       assert result.returncode == 0, result.stderr[-2000:]
       runs.append((result, workdir))
     return runs
@@ -62,8 +62,8 @@ def test_tiny_config_trains_evaluates_and_writes_metrics(tiny_runs):
   logged = read_rows(workdir)
   rows = [r for r in logged if 'loss' in r]
   evals = [r for r in logged if 'eval_loss' in r]
-  assert [r['step'] for r in rows] == [20, 40, 60]
-  assert [r['step'] for r in evals] == [30, 60]
+  assert [r['step'] for r in rows] == [10, 20, 30]
+  assert [r['step'] for r in evals] == [15, 30]
   assert evals[1]['eval_loss'] < evals[0]['eval_loss']
   assert all(abs(r['eval_perplexity'] - math.exp(r['eval_loss'])) < 1e-6 * r['eval_perplexity']
              for r in evals)
@@ -71,7 +71,7 @@ def test_tiny_config_trains_evaluates_and_writes_metrics(tiny_runs):
   assert {'loss', 'grad_norm', 'lr', 'step_time', 'tokens_per_sec'} <= rows[0].keys()
   # Only the last interval saved (checkpoint.every=100 > steps), and the log says so.
   assert [r['save_time'] > 0 for r in rows] == [False, False, True]
-  assert sorted(os.listdir(workdir / 'checkpoints')) == ['60']
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['30']
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
   assert 'mesh  data=2 fsdp=2 pipe=1 tensor=2' in result.stdout
   assert json.loads((workdir / 'config.json').read_text())['mesh']['tensor'] == 2
@@ -202,7 +202,7 @@ def test_tiny_config_fine_tunes_on_conversations_with_every_extra_split(tmp_path
       f'--config.data.chat_template={tmp_path}/chatml.jinja', '--config.eval.every=0',
       '--config.model.num_kv_heads=1', "--config.sharding.rules.batch=('data',)",
       "--config.sharding.rules.seq=('fsdp',)", "--config.sharding.rules.act_seq=('tensor',)",
-      '--config.sharding.zero=1', '--config.train.steps=40', '--config.train.log_every=20',
+      '--config.sharding.zero=1', '--config.train.steps=20', '--config.train.log_every=10',
       f'--workdir={workdir}')
   assert result.returncode == 0, result.stderr[-2000:]
   rows = read_rows(workdir)
