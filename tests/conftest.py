@@ -7,7 +7,6 @@ run, commands run in this process, costly fixtures built once per run)."""
 import atexit
 import contextlib
 import fcntl
-import gc
 import importlib
 import importlib.util
 import io
@@ -41,12 +40,6 @@ CHEAP_CPU_COMPILES = ('--xla_backend_optimization_level=0 '
                       '--xla_cpu_parallel_codegen_split_count=1')
 USER_XLA_FLAGS = os.environ.get('XLA_FLAGS', '').replace(CHEAP_CPU_COMPILES, '').strip()
 os.environ['XLA_FLAGS'] = f'{USER_XLA_FLAGS} {CHEAP_CPU_COMPILES}'.strip()
-# No test reads where in Python a program's operations came from (their op_names stay): without
-# tracebacks in their locations, programs lower ~6% faster. Commands a test starts inherit it.
-os.environ['JAX_TRACEBACK_IN_LOCATIONS_LIMIT'] = '0'
-jax.config.update('jax_traceback_in_locations_limit', 0)
-# Tracing makes many short-lived objects: collecting cycles less often is ~3% of a mesh test.
-gc.set_threshold(10_000, *gc.get_threshold()[1:])
 _BACKENDS = default_config()
 _BACKENDS.cpu_devices = 8
 start_backends(_BACKENDS)  # as every command starts them
