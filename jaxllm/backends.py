@@ -96,9 +96,10 @@ def gpu_kernel_file(setting: str, device) -> str | None:
   """For a compile-only GPU (`gpu_devices`), the file in the compilation cache (config
   `compilation_cache`; '': none) where XLA's GPU compiler keeps the kernels it generates for
   that kind of GPU: a later compile, in any process, takes each kernel it finds there (by a
-  fingerprint of the kernel's HLO and arguments) instead of generating it again, a third to
-  two thirds of a compile. XLA replaces the file whole when it adds kernels, so processes may
-  share it (one's additions may be lost to another's, never mixed)."""
+  fingerprint of the kernel's HLO and arguments) instead of generating it again, up to three
+  quarters of a compile's CPU time (`benchmarks/gpu_kernels.py`). XLA replaces the file whole
+  when it adds kernels, so processes may share it (one's additions may be lost to another's,
+  never mixed)."""
   import jax
   if not setting or not is_compile_only(device):
     return None

@@ -560,7 +560,7 @@ def test_the_tiny_run_profiles_resumes_generates_and_exports(tiny_run, tmp_path)
 # The pipeline's first command, the one pipelined training run of the suite, trains until it
 # has learned something.
 PIPELINE = 'python -m jaxllm.train --config configs/tiny.py --config.mesh.pipe=2 --config.mesh.fsdp=1'
-PIPELINE_STEPS = 20  # one logged row: their mean loss is ~4.0, a guess's is ln 320 = 5.77
+PIPELINE_STEPS = 20  # one logged row, the mean loss of its steps: ~4.0 (a uniform guess: 5.77)
 
 
 @pytest.mark.slow

@@ -55,7 +55,6 @@ class ProgramCache:
 
   def __init__(self, directory: str, target: str):
     self.directory, self.target = directory, target
-    self._kernels: tuple[str, int] | None = None
 
   def key(self, lowered_text: str, options: dict) -> str:
     versions = {'jax': jax.__version__, 'jaxlib': jax.lib.__version__}
