@@ -23,7 +23,6 @@ from jaxllm.decode import generate
 from jaxllm.generate import main as generate_command
 from jaxllm.hf.__main__ import main as hf_command
 from jaxllm.model import Transformer
-from jaxllm.parallel.mesh import sharding_context
 from jaxllm.pipeline.spec import chunk_first_layer, to_stage_order
 from jaxllm.train import train
 from jaxllm.validate import validate

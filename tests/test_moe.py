@@ -13,8 +13,7 @@ from flax import nnx
 from ml_collections import FrozenConfigDict
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from conftest import (assert_params_close, leaf_paths, once_per_run, paired_leaves, step_gradients,
-                      text_config)
+from conftest import assert_params_close, leaf_paths, once_per_run, paired_leaves, text_config
 from jaxllm.config import ConfigError, default_config
 from jaxllm.metrics import param_counts
 from jaxllm.model import KVCache, Transformer, sequence_positions
