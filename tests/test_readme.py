@@ -278,18 +278,27 @@ def commands_of(test: str) -> list[str]:
       tuple(f'{lang}: ' for lang in ('python', 'json', 'text')))]
 
 
-def test_every_readme_code_block_is_in_the_table():
-  items = readme_items()
-  keys = {key for _, key in items}
-  missing = [f'README.md:{line}: {key}' for line, key in items if key not in TABLE]
-  assert not missing, ('code blocks of README.md that no test runs; run them in '
-                       'tests/test_readme.py and add them to TABLE:\n' + '\n'.join(missing))
-  stale = [key for key in TABLE if key not in keys]
-  assert not stale, f'TABLE names what README.md no longer prints: {stale}'
-  for key, how in TABLE.items():
+def assert_doc_table(doc: str, table: dict, name: str) -> None:
+  """Every code block of `doc` is a key of `table` (called `name` here), printed once, and every
+  key is one of its blocks, run by a test of this module or said why not."""
+  where = os.path.relpath(doc, REPO)
+  items = readme_items(doc)
+  missing = [f'{where}:{line}: {key}' for line, key in items if key not in table]
+  assert not missing, (f'code blocks of {where} that no test runs; run them in '
+                       f'tests/test_readme.py and add them to {name}:\n' + '\n'.join(missing))
+  keys = [key for _, key in items]
+  stale = [key for key in table if key not in keys]
+  assert not stale, f'{name} names what {where} no longer prints: {stale}'
+  repeated = sorted({key for key in keys if keys.count(key) > 1})
+  assert not repeated, f'{where} prints these more than once: {repeated}'
+  for key, how in table.items():
     assert how.tests or how.note, f'{key}: neither run nor said why not'
     for test in how.tests:
       assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
+
+
+def test_every_readme_code_block_is_in_the_table():
+  assert_doc_table(README, TABLE, 'TABLE')
 
 
 # docs/families.md, tested the same way.
@@ -300,21 +309,8 @@ FAMILIES_DOC_TABLE = {
         run_by(FAMILIES_ANALYZED) for name in FAMILY_CONFIGS}
 
 
-def assert_doc_table(doc: str, table: dict) -> None:
-  """Every code block of `doc` is a key of `table`, and every key is one of its blocks, run by
-  a test of this module or said why not."""
-  items = readme_items(doc)
-  assert sorted(key for _, key in items) == sorted(table), (
-      f'code blocks of {os.path.relpath(doc, REPO)} and its table differ: run a new one in '
-      'tests/test_readme.py and add it to the table')
-  for key, how in table.items():
-    assert how.tests or how.note, f'{key}: neither run nor said why not'
-    for test in how.tests:
-      assert callable(globals().get(test)), f'{key}: {test} is not a test of this module'
-
-
 def test_every_families_doc_code_block_is_in_its_table():
-  assert_doc_table(FAMILIES_DOC, FAMILIES_DOC_TABLE)
+  assert_doc_table(FAMILIES_DOC, FAMILIES_DOC_TABLE, 'FAMILIES_DOC_TABLE')
 
 
 # docs/moe.md, tested the same way.
@@ -330,7 +326,7 @@ MOE_DOC_TABLE = {
 
 
 def test_every_moe_doc_code_block_is_in_its_table():
-  assert_doc_table(MOE_DOC, MOE_DOC_TABLE)
+  assert_doc_table(MOE_DOC, MOE_DOC_TABLE, 'MOE_DOC_TABLE')
 
 
 # ----------------------------------------------------------------------------- running
