@@ -101,12 +101,27 @@ def peak_flops(device, override: float = 0.0) -> float | None:
   return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
+def _summary_writer():
+  """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch where it
+  is installed only to accept its tensors (3 CPU-seconds at every start), and is given numpy
+  here."""
+  if 'torch' in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules['torch'] = None  # `import torch` raises ImportError while this stands
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules['torch']
+  return SummaryWriter
+
+
 class TensorBoard:
   """TensorBoard event files: every number of every row as a scalar at the row's step, and
   the config as text."""
 
   def __init__(self, directory: str, config: ConfigDict):
-    from tensorboardX import SummaryWriter
+    SummaryWriter = _summary_writer()
     try:
       os.makedirs(directory, exist_ok=True)
       self._writer = SummaryWriter(directory)

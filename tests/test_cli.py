@@ -139,6 +139,23 @@ def test_a_tensorboard_dir_that_cannot_be_written_is_a_config_error(tmp_path):
   assert sorted(os.listdir(workdir)) == ['tensorboard']
 
 
+def test_event_files_are_written_without_importing_torch(tmp_path):
+  """tensorboardX imports torch (installed here) unless kept from it: seconds at every start.
+  A fresh process, as this one has torch already."""
+  script = ('import sys\n'
+            'from jaxllm.config import default_config\n'
+            'from jaxllm.metrics import TensorBoard\n'
+            'events = TensorBoard(sys.argv[1], default_config())\n'
+            "events.write({'step': 1, 'loss': 2.5, 'moe_expert_load': [0.5, 1.5]})\n"
+            'events.close()\n'
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+  result = subprocess.run([sys.executable, '-c', script, str(tmp_path)], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == '[]'
+  assert any(f.startswith('events.out.tfevents') for f in os.listdir(tmp_path))
+
+
 @pytest.mark.slow
 def test_a_short_run_of_the_tiny_config_trains(tmp_path, monkeypatch, capsys):
   """`python -m jaxllm.train --config configs/tiny.py --config.train.steps=10`, the first run

@@ -316,7 +316,7 @@ def test_every_families_doc_code_block_is_in_its_table():
 # docs/moe.md, tested the same way.
 MOE_DOC = os.path.join(REPO, 'docs', 'moe.md')
 MOE_TUNE = ('python -m jaxllm.tune --config configs/tiny_moe.py --devices 2 --compiler cpu '
-            '--remat none --micro-batches 1 --dispatch ring,all_to_all')
+            '--remat none --micro-batches 1 --schedules gpipe --dispatch ring,all_to_all')
 MOE_DOC_TABLE = {
     MOE_TUNE: run_by('test_the_moe_doc_s_search_ranks_both_dispatches'),
     'text: experts 8 in 4 of 4 layers, top-2 sigmoid router; 0.58M parameters active per token; '
