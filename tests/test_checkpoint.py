@@ -16,7 +16,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import REPO, once_per_run, paired_leaves, run_dir, small_config, text_config
+from conftest import (REPO, once_per_run, paired_leaves, run_cli_in_process, run_dir, small_config,
+                      text_config)
 from jaxllm.checkpoint import check_resumable
 from jaxllm.config import ConfigError, TrainingError
 from jaxllm.pipeline.spec import from_stage_order
@@ -65,8 +66,8 @@ def test_resume_after_sigkill_repeats_the_uninterrupted_losses_exactly(tmp_path)
   same losses for steps 9-12, bit for bit (same data order, same state)."""
   args = ['--config.train.steps=12', '--config.checkpoint.every=4']
   whole, interrupted = tmp_path / 'whole', tmp_path / 'interrupted'
-  process = start_cli(whole, *args)
-  assert process.wait(timeout=300) == 0, process.communicate()[1][-2000:]
+  result = run_cli_in_process(*TINY, f'--workdir={whole}', *args)  # the reference: in this process
+  assert result.returncode == 0, result.stderr[-2000:]
 
   process = start_cli(interrupted, *args)
   wait_for_step(process, interrupted, 9)

@@ -4,7 +4,6 @@ import io
 import json
 import re
 
-import grain
 import jax
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ from jaxllm.config import ConfigError
 from jaxllm.data import (BOS_ID, EOS_ID, load_tokenizer, make_batches, make_eval_batches,
                          write_token_records)
 from jaxllm.data import pretokenize as pretokenize_cli
-from jaxllm.data.loader import SMALL_DATASET, shuffled
 from jaxllm.data.pretokenize import pretokenize
 from jaxllm.data.sources import split, stream_share
 from jaxllm.data.tokenizer import ByteTokenizer
@@ -212,20 +210,6 @@ def test_every_epoch_is_a_new_permutation(tmp_path, mesh):
   epochs = [row_documents(b) for b in take(make_batches(cfg, mesh), 4)]
   assert all(sorted(e) == sorted(DOCS) for e in epochs)
   assert len({tuple(e) for e in epochs}) > 1
-
-
-@pytest.mark.parametrize('length', [12, SMALL_DATASET])
-def test_small_and_large_datasets_are_shuffled_alike(length):
-  """Below SMALL_DATASET documents the order is numpy's permutation per epoch, above it
-  grain's index shuffle: either way each epoch holds every document once, in an order of its
-  own that the seed fixes."""
-  docs = grain.MapDataset.range(length)
-  epochs = lambda seed: [[shuffled(docs, seed)[e * length + i] for i in range(length)]
-                         for e in range(2)]
-  first, second = epochs(0)
-  assert sorted(first) == sorted(second) == list(range(length))
-  assert first != second and first != list(range(length))
-  assert epochs(0) == [first, second] and epochs(1)[0] != first
 
 
 def _tiling_records(tmp_path):

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli_in_process
 from jaxllm.config import ConfigError
 from jaxllm.parallel.mesh import host_split, hosts
 
@@ -29,20 +29,18 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start(workdir, *args, processes=2, only=None, launch=None):
-  """`python -m jaxllm.train` as `processes` processes of one run on this machine, sharing 8
-  devices; `only` adds arguments for some processes ({process: [args]}); `launch`: the
-  processes to start (default: all)."""
+def start(workdir, *args, only=None, launch=None):
+  """`python -m jaxllm.train` as 2 processes of one run on this machine, 4 devices each;
+  `only` adds arguments for some processes ({process: [args]}); `launch`: the processes to
+  start (default: both)."""
   common = [sys.executable, '-m', 'jaxllm.train', *TINY, *args, f'--workdir={workdir}',
-            f'--config.cpu_devices={8 // processes}']
-  if processes > 1:
-    common += [f'--config.distributed.coordinator_address=localhost:{free_port()}',
-               f'--config.distributed.num_processes={processes}']
-  own = lambda i: (([f'--config.distributed.process_id={i}'] if processes > 1 else []) +
-                   (only or {}).get(i, []))
+            '--config.cpu_devices=4',
+            f'--config.distributed.coordinator_address=localhost:{free_port()}',
+            '--config.distributed.num_processes=2']
+  own = lambda i: [f'--config.distributed.process_id={i}', *(only or {}).get(i, [])]
   return [subprocess.Popen(common + own(i), cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-          for i in (range(processes) if launch is None else launch)]
+          for i in (range(2) if launch is None else launch)]
 
 
 def finish(procs, timeout=240):
@@ -51,6 +49,13 @@ def finish(procs, timeout=240):
   for p, (out, err) in zip(procs, outputs):
     assert p.returncode == 0, err[-3000:]
   return outputs
+
+
+def alone(workdir, *args) -> str:
+  """The run as one process of 8 devices, this one (`run_cli_in_process`); returns its stdout."""
+  result = run_cli_in_process(*TINY, *args, f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
 
 
 def losses(workdir) -> dict[int, float]:
@@ -78,7 +83,7 @@ def test_two_processes_train_save_and_restore_like_one(tmp_path):
   args = ['--config.train.steps=4', '--config.checkpoint.every=2', '--config.checkpoint.keep=5']
   two, one = tmp_path / 'two', tmp_path / 'one'
   (out0, _), (out1, _) = finish(start(two, *args))
-  finish(start(one, *args, processes=1))
+  alone(one, *args)
   assert_same_losses(losses(two), losses(one))
   assert 'split between hosts: data=2' in out0  # the two-level mesh
   assert 'step 1 ' in out0 and 'step 1 ' not in out1  # process 0 alone reports
@@ -95,7 +100,7 @@ def test_two_processes_train_save_and_restore_like_one(tmp_path):
 
   # Two processes' checkpoint -> one process (data.streams=0 follows the checkpoint's 2).
   into_one = resume_from(tmp_path, 'into_one', two, 2)
-  (out, _), = finish(start(into_one, *args, '--config.data.streams=0', processes=1))
+  out = alone(into_one, *args, '--config.data.streams=0')
   assert 'resumed from the checkpoint of step 2' in out
   assert_same_losses(losses(into_one), {s: v for s, v in losses(two).items() if s > 2})
 
