@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from conftest import paired_leaves, run_cli, small_config
+from conftest import paired_leaves, run_cli_in_process, small_config
 from jaxllm import hf
 from jaxllm.config import ConfigError, default_config
 from jaxllm.decode import generate
@@ -175,8 +175,9 @@ def test_mixtral_fine_tuned_on_a_mesh_exports_what_transformers_reads(tmp_path):
 
   want = hf_greedy(exported, PROMPT, 8)
   assert generate(cfg.model, state.params, PROMPT, 8, greedy=True) == want
-  by_hf = run_cli('--hf', str(out_dir), '--prompt_ids', ','.join(map(str, PROMPT)),
-                  '--max_new_tokens', '8', '--greedy', '--print_ids', module='jaxllm.generate')
+  by_hf = run_cli_in_process('--hf', str(out_dir), '--prompt_ids', ','.join(map(str, PROMPT)),
+                             '--max_new_tokens', '8', '--greedy', '--print_ids',
+                             module='jaxllm.generate')
   assert by_hf.returncode == 0, by_hf.stderr[-2000:]
   assert [int(t) for t in by_hf.stdout.strip().splitlines()[-1].split(',')] == want
 
