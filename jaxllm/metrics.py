@@ -103,7 +103,7 @@ def peak_flops(device, override: float = 0.0) -> float | None:
 
 def _summary_writer():
   """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch where it
-  is installed only to accept its tensors (3 CPU-seconds at every start), and is given numpy
+  is installed only to accept its tensors (seconds of every start-up), and is given numpy
   here."""
   if 'torch' in sys.modules:
     from tensorboardX import SummaryWriter
