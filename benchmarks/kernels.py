@@ -5,16 +5,21 @@ timing model's prediction for the same HLO instruction of the same compiled prog
     python benchmarks/kernels.py --config configs/X.py [--config.a.b=v ...] [--steps 5]
         [--warmup 3] [--warmup-seconds 60] [--hardware h100-nvlink] [--trace-dir DIR] [--top 10]
 
+The trace directory keeps the compiled program beside the trace (program.hlo.txt).
+
 The steps traced come after `--warmup` steps and as many more as `--warmup-seconds` take
 (default a minute on a GPU, none elsewhere): the model times kernels at the clocks a GPU
 sustains under load, not at the boost clock of a cold start.
 
-Prints predicted against measured per step for each category (GEMMs, attention, memory-bound
-kernels, collectives, the gaps between kernels) and the `--top` kernels the model is furthest
-off. On a GPU the prediction is the profile's (`--hardware`; default the device's own:
-h200-nvlink on an H200, else h100-nvlink), with what the program's XLA flags say of command
-buffers. On a CPU it reads and joins the trace all the same (the H100 profile's times mean
-nothing there): that is how the suite checks it. Bad input stops with one line and status 2.
+Prints the traced steps' wall time, tokens/s and MFU per device, then predicted against
+measured per step for each category (GEMMs, attention, memory-bound kernels, collectives, the
+gaps between kernels) and the `--top` kernels the model is furthest off. On a GPU the
+prediction is the profile's (`--hardware`; default the device's own: h200-nvlink on an H200,
+else h100-nvlink), with what the program's XLA flags say of command buffers; a command
+buffer's kernels reach the trace as one event, so the join kernel by kernel wants them off
+(`XLA_FLAGS=--xla_gpu_enable_command_buffer=`). On a CPU it reads and joins the trace all
+the same (the H100 profile's times mean nothing there): that is how the suite checks it.
+Bad input stops with one line and status 2.
 """
 
 import os
@@ -24,6 +29,7 @@ import jax
 from absl import flags
 
 from timing import benchmark_config, settle_seconds, time_steps  # benchmarks/ is on the path
+from jaxllm import metrics
 from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import ConfigError
@@ -50,10 +56,21 @@ def profile_for(device) -> str:
 def traced_steps(run, steps: int, warmup: int, warmup_s: float, directory: str):
   """Compiles the run's step ahead of time (as `jaxllm.train` does), warms it up (`warmup`
   steps, and on for `warmup_s` seconds), then runs `steps` steps under `jax.profiler` into
-  `directory`. Returns the compiled step."""
-  _, _, compiled, _ = time_steps(run, steps, warmup, warmup_s=warmup_s,
-                                 during=lambda: jax.profiler.trace(directory))
-  return compiled
+  `directory`. Returns the compiled step and the traced steps' seconds a step."""
+  step_s, _, compiled, _ = time_steps(run, steps, warmup, warmup_s=warmup_s,
+                                      during=lambda: jax.profiler.trace(directory))
+  return compiled, step_s
+
+
+def throughput(cfg, step_s: float, devices: int, device) -> str:
+  """The traced steps' wall time (under the profiler), tokens/s and MFU per device."""
+  tokens_per_s = cfg.train.global_batch * cfg.data.seq_len / step_s / devices
+  flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
+  peak = metrics.peak_flops(device, cfg.train.peak_flops)
+  mfu = (f'MFU {100 * tokens_per_s * flops["full"] / peak:.1f}% (causal '
+         f'{100 * tokens_per_s * flops["causal"] / peak:.1f}%)' if peak else 'MFU n/a')
+  return (f'traced steps: {step_s * 1e3:,.1f} ms a step (wall, under the profiler), '
+          f'{tokens_per_s:,.0f} tokens/s/device, {mfu}')
 
 
 def main(argv: list[str]) -> None:
@@ -69,9 +86,11 @@ def main(argv: list[str]) -> None:
   device = run.mesh.devices.flat[0]
   hardware = hardware_profile(profile_for(device))
   directory = _TRACE_DIR.value or tempfile.mkdtemp(prefix='kernels-')
-  compiled = traced_steps(run, _STEPS.value, _WARMUP.value,
+  compiled, step_s = traced_steps(run, _STEPS.value, _WARMUP.value,
                           settle_seconds(_WARMUP_S.value, device), directory)
   text = compiled.as_text()
+  with open(os.path.join(directory, 'program.hlo.txt'), 'w') as f:
+    f.write(text)  # the program as this XLA compiled it, beside its trace
   rates = hardware.rates.for_flags(os.environ.get('XLA_FLAGS', ''))
   devices = run.mesh.devices.size
   predicted = model.step_time(text, rates, devices,
@@ -81,9 +100,15 @@ def main(argv: list[str]) -> None:
   print(f'{_STEPS.value} steps of {trace.module_name(text)} on {devices} × {device.device_kind} '
         f'traced into {directory}; predicted on {hardware.name} '
         f'({report.assumptions_text(rates.assumptions())})')
+  print(throughput(run.cfg, step_s, devices, device))
   if device.platform != 'gpu':
     print(f'(a {device.platform} trace: the join is checked, the times are not comparable)')
-  print(trace.format_comparison(trace.compare(predicted, measured, _STEPS.value), _TOP.value))
+  comparison = trace.compare(predicted, measured, _STEPS.value)
+  print(trace.format_comparison(comparison, _TOP.value))
+  if buffers := sum(r.name.startswith('command_buffer') for r in comparison.rows):
+    # A command buffer's kernels run as one CUDA graph, which the trace shows whole.
+    print(f'{buffers} command buffers ran kernels the trace does not show one by one: '
+          'XLA_FLAGS=--xla_gpu_enable_command_buffer= joins them kernel by kernel')
   for note in predicted.untimed:
     print(f'not timed as it runs: {note}')
 

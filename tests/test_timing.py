@@ -482,3 +482,31 @@ def test_a_program_written_out_with_its_flags_is_predicted_with_them(tmp_path):
   first = host + gathered + GEMM - beside
   assert off['step_s'] == pytest.approx(first + LAUNCH + GEMM + LAUNCH)
   assert off['launch_s'] == pytest.approx(2 * host + 2 * LAUNCH)
+
+
+def cudnn_forward(scores: str, window: int) -> str:
+  """The entry of a program running cuDNN's causal attention forward on q[1, 1024, 8, 128],
+  with `scores` as the backend config's intermediate_tensor_shape."""
+  return f"""  %q = bf16[1,1024,8,128]{{3,2,1,0}} parameter(0)
+  %k = bf16[1,1024,4,128]{{3,2,1,0}} parameter(1)
+  ROOT %fwd = (bf16[1,8,1024,128]{{3,1,2,0}}, f32[1,8,1024]{{2,1,0}}, u8[256]{{0}}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={{bf16[1,1024,8,128]{{3,2,1,0}}, bf16[1,1024,4,128]{{3,2,1,0}}, bf16[1,1024,4,128]{{3,2,1,0}}}}, backend_config={{"cudnn_fmha_backend_config":{{"fmha_scale":0.0883,"intermediate_tensor_shape":{scores},"is_flash_attention":true,"mask_type":"CAUSAL","max_seg_per_batch":1,"seed":42,"sliding_window_length":{window}}},"operation_queue_id":"0"}}"""
+
+
+@pytest.mark.parametrize('window', [0, 256])
+@pytest.mark.parametrize('scores', [
+    # as XLA of jax 0.10 writes the scores' shape (the deviceless programs of this suite)
+    '{"element_type":"BF16","dimensions":[1,8,1024,1024],"tuple_shapes":[]}',
+    # as XLA of jax 0.11.2 wrote it on an H200 (2026-11-27): dimensions first, as strings
+    '{"dimensions":["1","8","1024","1024"],"element_type":"BF16","is_dynamic_dimension":'
+    '[false,false,false,false],"layout":{"minor_to_major":["3","2","1","0"],"tiles":[]},'
+    '"tuple_shapes":[]}'])
+def test_attention_is_counted_from_either_layout_of_its_backend_config(scores, window):
+  """cuDNN attention's FLOPs come from the scores' shape in its backend config: 4·B·N·T·S·H,
+  halved by the causal mask, or the band's W·T − W²/2 pairs under a window; timed at the
+  profile's attention rate, not left at zero as a layout the parser missed would leave it."""
+  t = step(program(cudnn_forward(scores, window)), 1)
+  [kernel] = [k for k in t.kernels if k.category == 'attention']
+  pairs = 256 * 1024 - 256**2 / 2 if window else 1024 * 1024 / 2
+  assert kernel.flops == 4 * 8 * pairs * 128
+  assert kernel.seconds == pytest.approx(
+      kernel.flops / RATES.attention_rate(False, 128, 1024, True, window))

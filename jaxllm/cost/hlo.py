@@ -573,8 +573,9 @@ def attention_kernel(inst: Instruction, count: int, recomputed: str | None) -> F
   query-key pairs. Packed rows count as one sequence each, an upper bound on their
   documents' work."""
   config = inst.attrs.replace(' ', '')  # the backend config's JSON, spaces dropped
-  scores = re.search(r'"intermediate_tensor_shape":\{"element_type":"\w+","dimensions":'
-                     r'\[([^\]]*)\]', config)
+  # The scores' shape: XLA of jax 0.10 writes its element type first and its dimensions as
+  # numbers, of jax 0.11 its dimensions first and as strings.
+  scores = re.search(r'"intermediate_tensor_shape":\{[^{}]*?"dimensions":\[([^\]]*)\]', config)
   dims = [int(d) for d in re.findall(r'\d+', scores.group(1))] if scores else []
   start = inst.attrs.find('operand_layout_constraints=')
   operands = arrays(inst.attrs[start:_balanced(inst.attrs, inst.attrs.index('{', start))])
