@@ -39,7 +39,7 @@ CASES = {  # name -> overrides; every case names the whole mesh, so any base con
 
 
 def bench(argv: list[str]) -> None:
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   start_backends(cfg)
   run = setup(cfg)
   cfg, mesh = run.cfg, run.mesh

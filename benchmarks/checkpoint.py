@@ -51,7 +51,7 @@ def time_saves(cfg, async_save: bool, saves: int) -> tuple[float, float, int]:
 def main(argv):
   if not any(a.startswith('--config') and not a.startswith('--config.') for a in argv[1:]):
     argv = [argv[0], '--config', 'configs/comparison.py', *argv[1:]]
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   start_backends(cfg)
   results = {mode: time_saves(cfg, mode == 'async', _SAVES.value) for mode in ('sync', 'async')}
   size = results['sync'][2]

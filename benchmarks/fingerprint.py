@@ -31,7 +31,7 @@ def program_text(text: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-  cfg, _, devices = analyze.parse_and_place(argv)  # analyze's flags: --devices, --hardware
+  cfg, _, devices = analyze.parse_and_place(argv, __doc__)  # analyze's flags: --devices, --hardware
   text = program_text(compile_step(cfg, devices).text)
   print(f'{hashlib.sha256(text.encode()).hexdigest()}  {len(text):,} characters')
 

@@ -57,7 +57,7 @@ def largest_fitting_batch(cfg: ConfigDict, hardware, devices, fits: bool) -> str
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   start_backends(cfg)
   hardware = hardware_profile(analyze.HARDWARE.value, analyze.DEVICE_MEMORY.value)
   devices = gpu_devices(hardware, analyze.DEVICES.value)

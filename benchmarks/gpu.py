@@ -334,7 +334,7 @@ def throughput(run, steps: int, warmup: int, plain: bool) -> str | None:
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   cfg = benchmark_config(cfg, _KEEP_DATA.value)
   start_backends(cfg)  # before anything touches a device
   check_flags(cfg)

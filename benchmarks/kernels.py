@@ -74,7 +74,7 @@ def throughput(cfg, step_s: float, devices: int, device) -> str:
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   cfg = benchmark_config(cfg, keep_data=False)
   start_backends(cfg)
   if (_STEPS.value < 1 or _WARMUP.value < 0 or _TOP.value < 1

@@ -56,11 +56,12 @@ _PER_NODE = flags.DEFINE_integer('devices-per-node', 0, 'With --hlo: devices are
                                  'many to a node (default: the profile\'s, 8).')
 
 
-def parse_and_place(argv: list[str]):
+def parse_and_place(argv: list[str], doc: str = __doc__):
   """The config, hardware profile and devices to analyse from the command line: N GPUs of the
   profile (compiled for, never present), or with --compiler=cpu N devices simulated on the
-  CPU (default: those present, config.cpu_devices on a CPU). Starts JAX's backends."""
-  cfg, _ = parse_command_line(argv)
+  CPU (default: those present, config.cpu_devices on a CPU). Starts JAX's backends. `doc`:
+  the command's docstring, for --help."""
+  cfg, _ = parse_command_line(argv, doc)
   check_flags()
   hardware = hardware_profile(HARDWARE.value, DEVICE_MEMORY.value)
   if COMPILER.value == 'cpu' and DEVICES.value:  # before JAX starts its backends

@@ -54,17 +54,48 @@ def _unknown_override(config_path: str, argv: list[str]) -> str | None:
   return None
 
 
-USAGE = """usage: python -m jaxllm.train --config configs/X.py [--config.SECTION.FIELD=VALUE ...] [--workdir DIR]
-
-Any field of the config can be overridden; -1 on one mesh axis means the remaining devices.
-Fields and their defaults:
+CONFIG_HELP = """
+Any field of the config can be overridden (--config.SECTION.FIELD=VALUE); -1 on one mesh axis
+means the remaining devices. Fields and their defaults:
 """
 
 
-def parse_command_line(argv: list[str]) -> tuple[ConfigDict, str]:
-  """Parses `--config FILE [--config.x.y=v ...] [--workdir DIR]`. Raises ConfigError."""
+def usage_lines(doc: str) -> list[str]:
+  """A command's usage, from its docstring: the first paragraph where that is the command
+  (`python -m jaxllm.X ...`), else the indented `python ...` block a script's docstring holds."""
+  paragraphs = doc.strip().split('\n\n')
+  if paragraphs[0].lstrip('`').startswith('python '):
+    return [line.strip('` ') for line in paragraphs[0].splitlines()]
+  block = next((p for p in paragraphs if p.lstrip().startswith('python ')), '')
+  return [line.strip() for line in block.splitlines()]
+
+
+def _installed_library(module: str) -> bool:
+  """Whether `module` is an installed library's. The script run as the main module defines its
+  flags under a name of its own (its path, or '-m' under `python -m`), which is not."""
+  path = getattr(sys.modules.get(module), '__file__', None) or ''
+  return 'site-packages' in path or 'dist-packages' in path
+
+
+def command_help(doc: str) -> str:
+  """`--help`'s text: the command's usage, the flags of its own (those jaxllm and the script
+  define, not its libraries') with their defaults, then every config field."""
+  own = [f for module, module_flags in flags.FLAGS.flags_by_module_dict().items()
+         if module.startswith('jaxllm') or not _installed_library(module) for f in module_flags
+         if f.name != 'workdir' or '--workdir' in doc]  # the one a run's commands share
+  lines = ['usage: ' + '\n       '.join(usage_lines(doc))]
+  if own:
+    lines += ['', 'Flags:'] + [f'  --{f.name} (default: {f.default_as_str or "none"}): {f.help}'
+                               for f in own]
+  return '\n'.join(lines) + '\n' + CONFIG_HELP + str(default_config())
+
+
+def parse_command_line(argv: list[str], doc: str | None = None) -> tuple[ConfigDict, str]:
+  """Parses `--config FILE [--config.x.y=v ...] [--workdir DIR]` and the command's own flags;
+  `--help` prints `command_help(doc)` (default: train's) and exits. Raises ConfigError."""
   if '--help' in argv or '-h' in argv:
-    print(USAGE + str(default_config()))
+    from jaxllm import train
+    print(command_help(doc or train.__doc__))
     sys.exit(0)
   # `--config FILE` and `--config=FILE` are both accepted; normalise to the latter.
   normalised, i = [argv[0]], 1

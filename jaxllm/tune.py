@@ -145,7 +145,7 @@ def measure(c: ConfigDict, steps: int, devices=None) -> float:
 
 
 def main(argv: list[str]) -> None:
-  cfg, hardware, devices = analyze.parse_and_place(argv)
+  cfg, hardware, devices = analyze.parse_and_place(argv, __doc__)
   space = check_flags()
   if not cfg.model.moe.experts and (space.dispatch or space.capacity or space.expert_axes):
     raise ConfigError('--dispatch, --capacity and --expert-axes search a model with experts; '

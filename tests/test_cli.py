@@ -20,7 +20,7 @@ from conftest import (REPO, USER_XLA_FLAGS, once_per_run, run_cli, run_cli_in_pr
                       small_config)
 from jaxllm import train
 from jaxllm.cli import load_config, parse_command_line
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, default_config
 from jaxllm.cost import tune
 from jaxllm.metrics import MetricsLog
 from jaxllm.validate import validate
@@ -75,6 +75,22 @@ def test_tiny_config_trains_evaluates_and_writes_metrics(tiny_runs):
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
   assert 'mesh  data=2 fsdp=2 pipe=1 tensor=2' in result.stdout
   assert json.loads((workdir / 'config.json').read_text())['mesh']['tensor'] == 2
+
+
+@pytest.mark.parametrize('module, flag', [('jaxllm.train', '--workdir'),
+                                          ('jaxllm.analyze', '--hardware'),
+                                          ('jaxllm.tune', '--measure'),
+                                          ('jaxllm.data.pretokenize', '--shard_docs')])
+def test_each_command_s_help_is_its_own(module, flag):
+  """`--help` prints the command's own usage line and flags (with their defaults), then the
+  config's fields; it exits 0 without a --config."""
+  result = run_cli_in_process('--help', module=module)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.startswith(f'usage: python -m {module} --config configs/X.py'), (
+      result.stdout[:200])
+  assert f'\n  {flag} (default: ' in result.stdout
+  assert ('\n  --workdir ' in result.stdout) == (module == 'jaxllm.train')  # runs' alone
+  assert result.stdout.rstrip().endswith(str(default_config()).rstrip())
 
 
 def test_every_command_is_installed_as_its_modules_entry_point():

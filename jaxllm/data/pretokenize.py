@@ -48,7 +48,7 @@ def pretokenize(data_cfg, out: str, shard_docs: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   if not _OUT.value:
     raise ConfigError('--out is required: the directory to write the ArrayRecord shards to.')
   if _SHARD_DOCS.value < 1:
