@@ -10,10 +10,10 @@ hold most rows, some none) and padding rows past them, as the capacity buffer ha
   per-group loop in fp32, as a relative Frobenius error beside the same loop's in bf16 with
   fp32 accumulation (what any bf16 GEMM writes); padding rows and empty groups must come out
   exactly zero. A kernel more than 1.5× the bf16 loop's error fails the run (exit status 1).
-- **speed**: each kernel's time (median of `--reps`, after warm-up) and useful TFLOP/s, beside
-  XLA's `ragged_dot` (which NVIDIA GPUs run as a dense masked GEMM: groups × the FLOPs) and a
-  dense GEMM of the rows in groups (cuBLAS through XLA: the rate the timing model gives the
-  kernels).
+- **speed**: each kernel's time (`--reps` calls back to back, the median of 3 rounds, after a
+  warm-up) and useful TFLOP/s, beside XLA's `ragged_dot` (which NVIDIA GPUs run as a dense
+  masked GEMM: groups × the FLOPs) and a dense GEMM of the rows in groups (cuBLAS through XLA:
+  the rate the timing model gives the kernels).
 
 On a CPU the kernels run in Pallas' interpreter: use `--shapes tiny` there.
 """
@@ -79,13 +79,16 @@ def relative_error(got, ref) -> float:
 
 
 def median_seconds(fn, args, reps: int) -> float:
+  """Seconds a call: the median of 3 rounds of `reps` calls dispatched back to back with one
+  host sync at the end (a sync after each call would add its launch and wait to every
+  sub-millisecond kernel)."""
   jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
+  rounds = []
+  for _ in range(3):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    jax.block_until_ready([fn(*args) for _ in range(reps)])
+    rounds.append((time.perf_counter() - start) / reps)
+  return statistics.median(rounds)
 
 
 def check_shape(name: str, reps: int) -> bool:
