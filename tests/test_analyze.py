@@ -557,6 +557,7 @@ if __name__ == '__main__':
 """
 
 
+@pytest.mark.slow  # ~10 s of waiting on a process
 def test_a_search_stopped_by_a_signal_leaves_no_compiling_worker(tmp_path):
   """A `tune` killed mid-search runs no clean-up: its compile workers, one of them busy, end
   with it instead of compiling on."""

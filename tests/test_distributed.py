@@ -196,6 +196,7 @@ def test_a_signal_to_one_process_stops_all_after_the_same_step(tmp_path):
   assert {'stream-0-of-2.json', 'stream-1-of-2.json'} <= set(os.listdir(saved / 'data'))
 
 
+@pytest.mark.slow  # ~8 s: a process that waits for its peer
 def test_a_missing_process_is_an_error_at_start(tmp_path):
   (proc,) = start(tmp_path / 'run', '--config.distributed.initialization_timeout=3', launch=[0])
   _, err = proc.communicate(timeout=120)  # process 1 never starts

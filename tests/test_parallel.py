@@ -213,6 +213,7 @@ def _shard_shapes(array):
   return {shard.data.shape for shard in array.addressable_shards}
 
 
+@pytest.mark.slow  # ~8 CPU-s
 def test_fsdp_splits_params_and_moments_eight_ways():
   cfg = small_config(fsdp=8)
   run = setup(cfg)
