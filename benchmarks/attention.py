@@ -13,14 +13,13 @@ forward-and-backward time (`--reps` calls back to back, the median of 3 rounds).
 """
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from timing import seconds_per_call  # benchmarks/ is on the path when this runs as a script
 from jaxllm.backends import start_backends
 from jaxllm.model.attention import sharded_attention
 
@@ -54,19 +53,6 @@ def relative_error(got, ref) -> float:
   return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def median_seconds(fn, args, reps: int) -> float:
-  """Seconds a call: the median of 3 rounds of `reps` calls dispatched back to back with one
-  host sync at the end (a sync after each call would add its launch and wait to every
-  sub-millisecond kernel)."""
-  jax.block_until_ready(fn(*args))
-  rounds = []
-  for _ in range(3):
-    start = time.perf_counter()
-    jax.block_until_ready([fn(*args) for _ in range(reps)])
-    rounds.append((time.perf_counter() - start) / reps)
-  return statistics.median(rounds)
-
-
 def run_case(name, batch, tokens, heads, kv_heads, head_dim, window, reps) -> bool:
   keys = jax.random.split(jax.random.key(tokens + head_dim + window), 4)
   q = jax.random.normal(keys[0], (batch, tokens, heads, head_dim), jnp.float32)
@@ -91,7 +77,7 @@ def run_case(name, batch, tokens, heads, kv_heads, head_dim, window, reps) -> bo
     (dq, dk, dv), out = fn(*bf16)
     results[implementation] = ([relative_error(a, r) for a, r in
                                 zip((out, dq, dk, dv), reference)],
-                               median_seconds(fn, bf16, reps))
+                               seconds_per_call(fn, bf16, reps))
   ok = all(c <= 2 * x + 1e-6 for c, x in zip(results['cudnn'][0], results['xla'][0]))
   window_kept = True
   if window:  # a key just outside the window of the last query must not reach it

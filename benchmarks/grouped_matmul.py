@@ -19,14 +19,13 @@ On a CPU the kernels run in Pallas' interpreter: use `--shapes tiny` there.
 """
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from timing import seconds_per_call  # benchmarks/ is on the path when this runs as a script
 from jaxllm.backends import start_backends
 from jaxllm.model import grouped_matmul_triton as gmt
 
@@ -78,19 +77,6 @@ def relative_error(got, ref) -> float:
   return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def median_seconds(fn, args, reps: int) -> float:
-  """Seconds a call: the median of 3 rounds of `reps` calls dispatched back to back with one
-  host sync at the end (a sync after each call would add its launch and wait to every
-  sub-millisecond kernel)."""
-  jax.block_until_ready(fn(*args))
-  rounds = []
-  for _ in range(3):
-    start = time.perf_counter()
-    jax.block_until_ready([fn(*args) for _ in range(reps)])
-    rounds.append((time.perf_counter() - start) / reps)
-  return statistics.median(rounds)
-
-
 def check_shape(name: str, reps: int) -> bool:
   rows, routed, groups, projections = SHAPES[name]
   sizes = group_sizes(routed, groups)
@@ -138,7 +124,7 @@ def check_shape(name: str, reps: int) -> bool:
                ('weight grad', dw, reference[2], bf16_loop[2], bwd_dw, (x, dy))]
     for kernel, got, ref, loop, fn, args in rows_of:
       error, floor = relative_error(got, ref), relative_error(loop, ref)
-      seconds = median_seconds(fn, args, reps)
+      seconds = seconds_per_call(fn, args, reps)
       verdict = '' if error <= 1.5 * floor + 1e-6 else '  FAIL'
       ok &= not verdict
       print(f'{k}x{n:<9} {kernel:12} {error:9.2e} {floor:9.2e}  {seconds * 1e3:7.3f}ms '
@@ -147,7 +133,7 @@ def check_shape(name: str, reps: int) -> bool:
     # up to 16 groups.
     others = [('xla ragged', ragged, (clean(x), w))] if groups <= 16 else []
     for label, fn, args in others + [('dense GEMM', dense, (x_routed, w[0]))]:
-      seconds = median_seconds(fn, args, reps)
+      seconds = seconds_per_call(fn, args, reps)
       print(f'{k}x{n:<9} {label:12} {"":9} {"":9}  {seconds * 1e3:7.3f}ms '
             f'{useful / seconds / 1e12:8.1f}')
   return ok

@@ -1,8 +1,10 @@
-"""Timing a compiled train step: warm-up, then timed steps with one host sync at the end."""
+"""Timing a compiled train step (warm-up, then timed steps with one host sync at the end) and
+one call of a jitted function."""
 
 import contextlib
 import copy
 import itertools
+import statistics
 import time
 
 import jax
@@ -78,3 +80,16 @@ def time_steps(run, steps: int, warmup: int, first_batch=None, warmup_s: float =
   step_s, first = timed(compiled, run.state, batches, steps, warmup, warmup_s,
                         during)  # donates run.state
   return step_s, compile_s, compiled, first
+
+
+def seconds_per_call(fn, args, reps: int) -> float:
+  """Seconds a call of `fn(*args)`, after one call to compile and warm it: the median of 3
+  rounds of `reps` calls dispatched back to back with one host sync at the end (a sync after
+  each call would add its launch and wait to every sub-millisecond kernel)."""
+  jax.block_until_ready(fn(*args))
+  rounds = []
+  for _ in range(3):
+    start = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(reps)])
+    rounds.append((time.perf_counter() - start) / reps)
+  return statistics.median(rounds)
