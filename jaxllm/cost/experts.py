@@ -5,7 +5,9 @@ The grouped GEMMs (`jaxllm.model.grouped_matmul_triton`, Triton custom calls) ru
 sized for the worst routing (dropless: every token of the expert group could pick this
 device's experts), but compute only the rows routed to them: which is known when the step
 runs. They are priced at the rows an even router gives each device's experts, N·top_k for N
-tokens on the device (`routed_rows`), as one GEMM of those rows at the GEMM table's rates.
+tokens on the device (`routed_rows`), as one GEMM of those rows at the GEMM table's rates:
+cuBLAS's, which the kernels, their tiles not yet tuned on a device, do not reach (in a step on
+one H200 they ran at 0.62-0.66 of them; benchmarks/README.md, `kernels.py`).
 """
 
 from __future__ import annotations
