@@ -25,7 +25,7 @@ NEMO = {'tokens_per_s_per_gpu': 12_040, 'tflops_per_gpu': 277}  # NeMo AutoModel
 def main(argv):
   if not any(a.startswith('--config') and not a.startswith('--config.') for a in argv[1:]):
     argv = [argv[0], f'--config={_CONFIG}', *argv[1:]]
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   start_backends()
   hardware = PROFILES['h100-nvlink']
   compiled = compile_step(cfg, gpu_devices(hardware, 8))

@@ -80,7 +80,7 @@ def attention_text(r: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   meshes = [parse_mesh(m) for m in _MESH.value]
   if not meshes:
     raise ConfigError('--mesh is required: one or more meshes, e.g. --mesh fsdp=8.')

@@ -37,7 +37,7 @@ _REPEATS = flags.DEFINE_integer('repeats', 2, 'pipeline.repeats of circular and 
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   if len(_MESH.value) != 1:
     raise ConfigError('--mesh: give one mesh, e.g. --mesh pipe=4,tensor=8.')
   mesh = parse_mesh(_MESH.value[0])

@@ -57,7 +57,7 @@ def row(name: str, text: str, devices: int, hardware, peak: float | None) -> str
 
 
 def main(argv: list[str]) -> None:
-  cfg, _ = parse_command_line(argv)
+  cfg, _ = parse_command_line(argv, __doc__)
   other = None
   if _OTHER_HLO.value:
     try:

@@ -67,7 +67,7 @@ def usage_lines(doc: str) -> list[str]:
   if paragraphs[0].lstrip('`').startswith('python '):
     return [line.strip('` ') for line in paragraphs[0].splitlines()]
   block = next((p for p in paragraphs if p.lstrip().startswith('python ')), '')
-  return [line.strip() for line in block.splitlines()]
+  return [' '.join(line.split()) for line in block.splitlines()]  # continuations' indents too
 
 
 def _installed_library(module: str) -> bool:
@@ -90,12 +90,12 @@ def command_help(doc: str) -> str:
   return '\n'.join(lines) + '\n' + CONFIG_HELP + str(default_config())
 
 
-def parse_command_line(argv: list[str], doc: str | None = None) -> tuple[ConfigDict, str]:
+def parse_command_line(argv: list[str], doc: str = '') -> tuple[ConfigDict, str]:
   """Parses `--config FILE [--config.x.y=v ...] [--workdir DIR]` and the command's own flags;
-  `--help` prints `command_help(doc)` (default: train's) and exits. Raises ConfigError."""
+  `--help` prints `command_help(doc)`, `doc` being the command's docstring, and exits. Raises
+  ConfigError."""
   if '--help' in argv or '-h' in argv:
-    from jaxllm import train
-    print(command_help(doc or train.__doc__))
+    print(command_help(doc or f'python {argv[0]} --config configs/X.py [--config.a.b=v ...]'))
     sys.exit(0)
   # `--config FILE` and `--config=FILE` are both accepted; normalise to the latter.
   normalised, i = [argv[0]], 1

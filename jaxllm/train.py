@@ -449,7 +449,7 @@ def _loop(run: Run, state: TrainState, first: int, log: metrics.MetricsLog,
 
 
 def main(argv: list[str]) -> None:
-  cfg, workdir = parse_command_line(argv)
+  cfg, workdir = parse_command_line(argv, __doc__)
   start_backends(cfg)
   use_compilation_cache(cfg.compilation_cache)
   with distributed.session(cfg.distributed):
