@@ -87,7 +87,7 @@ def main(argv: list[str]) -> None:
   hardware = hardware_profile(profile_for(device))
   directory = _TRACE_DIR.value or tempfile.mkdtemp(prefix='kernels-')
   compiled, step_s = traced_steps(run, _STEPS.value, _WARMUP.value,
-                          settle_seconds(_WARMUP_S.value, device), directory)
+                                  settle_seconds(_WARMUP_S.value, device), directory)
   text = compiled.as_text()
   with open(os.path.join(directory, 'program.hlo.txt'), 'w') as f:
     f.write(text)  # the program as this XLA compiled it, beside its trace
