@@ -36,7 +36,7 @@ from absl import flags
 from ml_collections import ConfigDict
 
 import plain_llama  # benchmarks/ is on the path when this runs as a script
-from timing import benchmark_config, settle_seconds, time_steps, timed
+from timing import benchmark_config, rates_per_device, settle_seconds, time_steps, timed
 from jaxllm import metrics
 from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
@@ -246,14 +246,12 @@ def config_lines(cfg: ConfigDict, mesh_shape: dict[str, int]) -> list[str]:
 
 
 def throughput_lines(name: str, result: dict, cfg: ConfigDict, mesh) -> list[str]:
-  tokens_per_s = cfg.train.global_batch * cfg.data.seq_len / result['step_s'] / mesh.size
-  flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
+  tokens_per_s, flops, mfu = rates_per_device(cfg, result['step_s'], mesh)
   peak = metrics.peak_flops(mesh.devices.flat[0], cfg.train.peak_flops)
-  mfu = {k: f'{100 * tokens_per_s * f / peak:.1f}%' if peak else 'n/a' for k, f in flops.items()}
   return [
       f'{name:9} tokens/s/device {tokens_per_s:,.0f}   step {result["step_s"] * 1e3:,.1f} ms   '
-      f'model TFLOP/s/device {tokens_per_s * flops["full"] / 1e12:,.3f} '
-      f'(causal {tokens_per_s * flops["causal"] / 1e12:,.3f})',
+      f'model TFLOP/s/device {flops["full"] / 1e12:,.3f} '
+      f'(causal {flops["causal"] / 1e12:,.3f})',
       f'{"":9} MFU {mfu["full"]} (6N + 12LHQT)   MFU causal {mfu["causal"]} (6N + 6LHQT)   '
       f'peak FLOP/s/device {f"{peak / 1e12:,.0f}T" if peak else "unknown"}',
       f'{"":9} compile {result["compile_s"]:.1f}s   compiled peak memory '

@@ -28,8 +28,8 @@ import tempfile
 import jax
 from absl import flags
 
-from timing import benchmark_config, settle_seconds, time_steps  # benchmarks/ is on the path
-from jaxllm import metrics
+# benchmarks/ is on the path when this runs as a script
+from timing import benchmark_config, rates_per_device, settle_seconds, time_steps
 from jaxllm.backends import start_backends
 from jaxllm.cli import main_guard, parse_command_line
 from jaxllm.config import ConfigError
@@ -62,15 +62,11 @@ def traced_steps(run, steps: int, warmup: int, warmup_s: float, directory: str):
   return compiled, step_s
 
 
-def throughput(cfg, step_s: float, devices: int, device) -> str:
+def throughput(cfg, step_s: float, mesh) -> str:
   """The traced steps' wall time (under the profiler), tokens/s and MFU per device."""
-  tokens_per_s = cfg.train.global_batch * cfg.data.seq_len / step_s / devices
-  flops = metrics.flops_per_token(cfg.model, cfg.data.seq_len)
-  peak = metrics.peak_flops(device, cfg.train.peak_flops)
-  mfu = (f'MFU {100 * tokens_per_s * flops["full"] / peak:.1f}% (causal '
-         f'{100 * tokens_per_s * flops["causal"] / peak:.1f}%)' if peak else 'MFU n/a')
+  tokens_per_s, _, mfu = rates_per_device(cfg, step_s, mesh)
   return (f'traced steps: {step_s * 1e3:,.1f} ms a step (wall, under the profiler), '
-          f'{tokens_per_s:,.0f} tokens/s/device, {mfu}')
+          f'{tokens_per_s:,.0f} tokens/s/device, MFU {mfu["full"]} (causal {mfu["causal"]})')
 
 
 def main(argv: list[str]) -> None:
@@ -100,7 +96,7 @@ def main(argv: list[str]) -> None:
   print(f'{_STEPS.value} steps of {trace.module_name(text)} on {devices} × {device.device_kind} '
         f'traced into {directory}; predicted on {hardware.name} '
         f'({report.assumptions_text(rates.assumptions())})')
-  print(throughput(run.cfg, step_s, devices, device))
+  print(throughput(run.cfg, step_s, run.mesh))
   if device.platform != 'gpu':
     print(f'(a {device.platform} trace: the join is checked, the times are not comparable)')
   comparison = trace.compare(predicted, measured, _STEPS.value)

@@ -13,7 +13,7 @@ ring dispatch's bytes beside the analytic figure.
 
 from jaxllm.backends import gpu_devices, start_backends
 from jaxllm.cli import main_guard, parse_command_line
-from jaxllm.cost import hlo, timing
+from jaxllm.cost import experts, hlo, timing
 from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES
 from jaxllm.cost.report import report
@@ -50,9 +50,9 @@ def main(argv):
   print('where the step goes: ' + ', '.join(f'{c} {pr[f"{c}_s"] * 1e3:,.0f}ms'
                                             for c in timing.CATEGORIES)
         + f'; collectives {pr["comm_s"] * 1e3:,.0f}ms, {pr["hidden_comm_s"] * 1e3:,.0f}ms hidden')
-  print('optimistic: the grouped GEMMs are timed at cuBLAS\'s rates, and in a step on one H200 '
-        'the kernels ran at 0.62-0.66 of them, the dispatch\'s scatter-add at 1/7.7 of its '
-        'modelled rate (benchmarks/README.md)')
+  print(f'optimistic: the grouped GEMMs are timed at cuBLAS\'s rates ({experts.KERNELS_MEASURED}'
+        '), and the dispatch\'s scatter-add there took 7.7× its modelled time '
+        '(benchmarks/README.md)')
 
 
 if __name__ == '__main__':

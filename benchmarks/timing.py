@@ -10,6 +10,7 @@ import time
 import jax
 from ml_collections import ConfigDict
 
+from jaxllm import metrics
 from jaxllm.parallel.mesh import sharding_context
 
 
@@ -93,3 +94,15 @@ def seconds_per_call(fn, args, reps: int) -> float:
     jax.block_until_ready([fn(*args) for _ in range(reps)])
     rounds.append((time.perf_counter() - start) / reps)
   return statistics.median(rounds)
+
+
+def rates_per_device(cfg: ConfigDict, step_s: float, mesh) -> tuple[float, dict, dict]:
+  """A step of `step_s` seconds on `mesh`, per device: tokens/s, model FLOP/s and MFU (text;
+  'n/a' where the device's peak is unknown), the last two in both FLOP conventions ('full',
+  'causal': `metrics.flops_per_token`)."""
+  tokens_per_s = cfg.train.global_batch * cfg.data.seq_len / step_s / mesh.size
+  flops = {k: tokens_per_s * f for k, f in
+           metrics.flops_per_token(cfg.model, cfg.data.seq_len).items()}
+  peak = metrics.peak_flops(mesh.devices.flat[0], cfg.train.peak_flops)
+  mfu = {k: f'{100 * f / peak:.1f}%' if peak else 'n/a' for k, f in flops.items()}
+  return tokens_per_s, flops, mfu

@@ -6,8 +6,8 @@ sized for the worst routing (dropless: every token of the expert group could pic
 device's experts), but compute only the rows routed to them: which is known when the step
 runs. They are priced at the rows an even router gives each device's experts, N·top_k for N
 tokens on the device (`routed_rows`), as one GEMM of those rows at the GEMM table's rates:
-cuBLAS's, which the kernels, their tiles not yet tuned on a device, do not reach (in a step on
-one H200 they ran at 0.62-0.66 of them; benchmarks/README.md, `kernels.py`).
+cuBLAS's, which the kernels, their tiles not yet tuned on a device, do not reach
+(`KERNELS_MEASURED`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from jaxllm.parallel.rules import parts
 TRITON_TARGET = '__gpu$xla.gpu.triton'
 # The collectives of the dispatch carry this JAX name scope (jaxllm.model.moe.dispatch).
 DISPATCH_SCOPE = 'moe_dispatch'
+# What the grouped GEMMs' cuBLAS rates leave out, as measured (benchmarks/README.md, kernels.py).
+KERNELS_MEASURED = 'in a step on one H200 the kernels ran at 0.62-0.66 of those rates'
 
 
 def tokens_per_device(cfg, batch_shards: int) -> int:

@@ -291,8 +291,8 @@ def moe_lines(moe: dict | None, params: dict) -> list[str]:
           f'TFLOP/step per device at {moe["routed_rows_per_call"]:,} routed rows a call (an even '
           'router): ' + ', '.join(f'{k.removeprefix("grouped_matmul_")} {v / 1e12:,.3f}'
                                   for k, v in gg.items())
-          + '; timed as cuBLAS GEMMs of those rows, a rate the own kernels do not reach yet (in '
-          'a step on one H200, 0.62-0.66 of it: benchmarks/README.md)',
+          + '; timed as cuBLAS GEMMs of those rows, a rate the own kernels do not reach yet '
+          f'({experts.KERNELS_MEASURED}: benchmarks/README.md)',
           f'dispatch ({moe["dispatch"]}) over {",".join(moe["expert_axes"]) or "no axis"}: '
           f'{size_text(moe["dispatch_bytes"])} sent per device and step, analytic '
           f'{size_text(moe["dispatch_bytes_analytic"])} ({ratio}; see '
