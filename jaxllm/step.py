@@ -42,9 +42,10 @@ def split_model(model: Transformer):
 
 
 def _create_fn(model_cfg: ConfigDict, tx: optax.GradientTransformation, seed: int,
-               pipeline: PipelineSpec | None):
+               pipeline: PipelineSpec | None, keep_graphdef=lambda graphdef: None):
   def create():
-    _, params, scales, biases = split_model(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+    graphdef, params, scales, biases = split_model(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+    keep_graphdef(graphdef)
     if pipeline:
       params, scales, biases = to_stage_order((params, scales, biases), pipeline.stages,
                                               pipeline.repeats)
@@ -63,28 +64,31 @@ def state_shapes(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, 
   With `zero` ≥ 1 (sharding.zero) the optimizer state is split over data too.
   Raises ConfigError when a sharded dimension does not split evenly over its mesh axes.
   """
+  graphdefs = []  # the model's structure, kept by the one trace of its creation
   with sharding_context(mesh, rules):
-    graphdef, abstract_params, _, _ = split_model(
-        nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed))))
-    check_divisible(abstract_params, mesh)
-    abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed, pipeline))
+    abstract = jax.eval_shape(_create_fn(model_cfg, tx, seed, pipeline, graphdefs.append))
+    check_divisible(abstract.params, mesh)  # stage order moves layers, never changes a shape
     shardings = nnx.get_named_sharding(abstract, mesh)
   if zero:
     shardings = shardings._replace(opt_state=optimizer_shardings(
         abstract.opt_state, shardings.opt_state, mesh))
-  return graphdef, abstract, shardings
+  return graphdefs[0], abstract, shardings
 
 
 def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, rules, seed: int,
-               pipeline: PipelineSpec | None = None, zero: int = 0):
+               pipeline: PipelineSpec | None = None, zero: int = 0, shardings=None):
   """Creates the train state already sharded (inside jit), never whole on one device.
 
   Under a circular pipeline the blocks are stored stage-major (see `jaxllm.pipeline.spec`).
+  `shardings`: `state_shapes`' for these arguments, where the caller has them.
   """
-  graphdef, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed, pipeline, zero)
+  if shardings is None:
+    _, _, shardings = state_shapes(model_cfg, tx, mesh, rules, seed, pipeline, zero)
+  graphdefs = []
   with sharding_context(mesh, rules):
-    state = jax.jit(_create_fn(model_cfg, tx, seed, pipeline), out_shardings=shardings)()
-  return graphdef, state, shardings
+    state = jax.jit(_create_fn(model_cfg, tx, seed, pipeline, graphdefs.append),
+                    out_shardings=shardings)()
+  return graphdefs[0], state, shardings
 
 
 def loss_terms(graphdef, params, batch, pipeline: PipelineSpec | None = None,

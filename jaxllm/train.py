@@ -151,7 +151,8 @@ def _initial_state(cfg: ConfigDict, mesh, layout: Layout, tx, pipeline: Pipeline
 
       state = jax.jit(fresh_optimizer, out_shardings=shardings)(params, biases)
       return state, f'parameters from {cfg.init_from}, fresh optimizer state'
-  _, state, _ = init_state(cfg.model, tx, mesh, rules, cfg.train.seed, pipeline, layout.zero)
+  _, state, _ = init_state(cfg.model, tx, mesh, rules, cfg.train.seed, pipeline, layout.zero,
+                          shardings)
   return state, f'initialised from train.seed={cfg.train.seed}'
 
 

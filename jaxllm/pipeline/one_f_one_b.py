@@ -189,14 +189,18 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
       gradient=jnp.full(x_M.shape[1:], fill, x_M.dtype),
       sums=(jnp.float32(0), jnp.float32(0)))
   if backward:
-    # The residuals' shapes and the pullback's structure, from a trace of one forward.
+    # The stage's forward and its pullback are traced once each, and each tick kind's body
+    # calls those traces (jit keeps them). The residuals' shapes and the pullback's structure
+    # come from the forward's trace.
     found = []
-    def probe(w, x, info):
-      _, kept, structure = stage.linearize(w, x, info, 0)
+    def forward(w, x, info, r):
+      y, kept, structure = stage.linearize(w, x, info, r)
       found.append(structure)
-      return kept
-    kept_shapes = jax.eval_shape(probe, chunk_weights(0), x_M[0], info_of(0))
+      return y, kept
+    forward = jax.jit(forward)
+    _, kept_shapes = jax.eval_shape(forward, chunk_weights(0), x_M[0], info_of(0), jnp.int32(0))
     structure = found[0]
+    pullback = jax.jit(lambda kept, w, g: stage.pullback(structure, kept, w)(g))
     carry.update(
         buffer=[jnp.zeros((slots, *a.shape), a.dtype) for a in kept_shapes],
         d_weights=pin(zeros(weights), layouts[0]), d_head=pin(zeros(head_params), layouts[1]),
@@ -216,8 +220,8 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
         x = jnp.where(first & (r == 0), x_M[m], c['activation'])
         x = jnp.where(f_valid, x, 0)  # idle slots run on zeros: what they hold can't leak
         if backward:
-          y, kept, found_structure = stage.linearize(chunk_weights(r), x, info_of(m), r)
-          assert found_structure[1] == structure[1], 'the stage traced differently'
+          y, kept = forward(chunk_weights(r), x, info_of(m), r)
+          assert all(s[1] == structure[1] for s in found), 'the stage traced differently'
           c['buffer'] = [jax.lax.dynamic_update_index_in_dim(b, k, mine['f_slot'], 0)
                          for b, k in zip(c['buffer'], kept)]
         else:
@@ -241,7 +245,7 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
         if with_head:  # the last chunk's backward on the last stage starts from the loss
           g = jnp.where(last & (r == R - 1), d_y.astype(g.dtype), g)
         kept = [b[mine['b_slot']] for b in c['buffer']]
-        d_w, d_x = stage.pullback(structure, kept, chunk_weights(r))(g)
+        d_w, d_x = pullback(kept, chunk_weights(r), g)
         add = lambda a, d: a + jnp.where(b_valid, d, 0)
         if R == 1:
           c['d_weights'] = jax.tree.map(add, c['d_weights'], d_w)
