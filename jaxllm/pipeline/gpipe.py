@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.model import fp8
-from jaxllm.model.moe import RouterBias
+from jaxllm.model.moe import RouterBias, has_experts
 from jaxllm.model.remat import stack_policy
 from jaxllm.model.transformer import scan_blocks, sliding_flags
 from jaxllm.parallel.gather import batch_split_gatherer
@@ -86,10 +86,13 @@ def pipeline_layers(blocks: nnx.Module, x_BTD, positions_BT, segment_ids_BT, spe
     # One copy of the FP8 scales per iteration (each device has its own: `fan_out` below), so
     # their gradients, the amaxes, are each iteration's and the largest is taken.
     scales = jax.tree.map(lambda s: fp8.fan_out(s[0], spec.iterations), scales)
-    # The routers' statistics of this stage's R chunks, summed over the micro-batches.
-    _, stats = jax.eval_shape(run_stage, staged, jax.tree.map(lambda s: s[0], scales), biases,
-                              0, x_M[0], jax.tree.map(lambda a: a[0], info_M))
-    stats = jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), stats)
+    # The routers' statistics of this stage's R chunks, summed over the micro-batches (their
+    # shapes from a trace of the stage, which only layers with experts need).
+    stats = None
+    if has_experts(model_cfg):
+      _, stats = jax.eval_shape(run_stage, staged, jax.tree.map(lambda s: s[0], scales),
+                                biases, 0, x_M[0], jax.tree.map(lambda a: a[0], info_M))
+      stats = jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), stats)
     stage = jax.lax.axis_index('pipe')
     is_first, is_last = stage == 0, stage == S - 1
     ring = [(i, (i + 1) % S) for i in range(S)]

@@ -23,8 +23,6 @@ summed in it, as GPipe's scan sums its iterations'.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,6 +204,9 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
         d_weights=pin(zeros(weights), layouts[0]), d_head=pin(zeros(head_params), layouts[1]),
         d_x=jnp.zeros_like(x_M))
 
+  # Traced once, for the shapes of its zeros and for the branch that runs it (jit keeps it).
+  run_head = jax.jit(head.grads if backward else head.sums)
+
   def tick(has_f: bool, has_b: bool, with_head: bool):
     """One tick's body: a forward, a backward or both on every stage (each masked where the
     stage's slot is idle); the head with the last stage's forward where it finishes a
@@ -227,8 +228,7 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
         else:
           y = stage(chunk_weights(r), x, info_of(m), r)
         if with_head:  # on the last stage, where it ends a micro-batch; zeros elsewhere
-          run = functools.partial(head.grads if backward else head.sums, head_params,
-                                  targets_BT=targets_M[m], mask_BT=mask_M[m])
+          run = lambda y: run_head(head_params, y, targets_M[m], mask_M[m])
           nothing = lambda y: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                                            jax.eval_shape(run, y))
           sums, *grads = jax.lax.cond(last & f_valid, run, nothing, y)
