@@ -147,6 +147,16 @@ CASES = {  # schedule, stages, repeats, micro-batches, remat, the other axes, ru
 }
 
 
+def pipelined(spec: PipelineSpec):
+  """`loss_and_grads`' loss through the pipeline `spec`: the parameters are stored stage-major
+  under interleaving, converted inside, so the gradients come in layer order."""
+  def loss(graphdef, params, x_BTD, positions_BT, segment_ids_BT, targets_BT, mask_BT):
+    model = nnx.merge(graphdef, to_stage_order(params, spec.stages, spec.repeats))
+    return pipeline_loss(model.blocks, model.final_norm, model.head(), x_BTD, positions_BT,
+                         segment_ids_BT, targets_BT, mask_BT, spec, model.cfg, Z_LOSS)
+  return loss
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('schedule,stages,repeats,microbatches,remat,axes,evaluate',
                          CASES.values(), ids=CASES.keys())
@@ -160,14 +170,7 @@ def test_schedule_equals_plain_stack(schedule, stages, repeats, microbatches, re
   cfg.mesh.update(pipe=stages, **axes)
   mesh = make_mesh(resolve_mesh(cfg.mesh, jax.device_count()))
   spec = PipelineSpec(stages, repeats, microbatches, 'step', schedule, bubble_fill=float('nan'))
-
-  def pipelined(graphdef, params, x_BTD, positions_BT, segment_ids_BT, targets_BT, mask_BT):
-    # Stored stage-major under interleaving; converted inside, the gradients come in layer order.
-    model = nnx.merge(graphdef, to_stage_order(params, stages, repeats))
-    return pipeline_loss(model.blocks, model.final_norm, model.head(), x_BTD, positions_BT,
-                         segment_ids_BT, targets_BT, mask_BT, spec, model.cfg, Z_LOSS)
-
-  objective, ce, grads, undifferentiated = loss_and_grads(cfg, mesh, pipelined, evaluate)
+  objective, ce, grads, undifferentiated = loss_and_grads(cfg, mesh, pipelined(spec), evaluate)
   ref_objective, ref_ce, ref_grads, _ = plain_stack
   assert ref_objective != ref_ce  # the z-loss is in the objective only
   np.testing.assert_allclose([objective, ce], [ref_objective, ref_ce], rtol=1e-5)
@@ -176,6 +179,39 @@ def test_schedule_equals_plain_stack(schedule, stages, repeats, microbatches, re
   for got, want in paired_leaves(grads, ref_grads):
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_the_stage_and_the_head_are_traced_once_whatever_the_ticks(monkeypatch):
+  """Interleaved 1F1B's ticks come in four kinds (forwards alone; both, with the head or
+  without; backwards alone), each a scan body of its own. Each calls one trace of the stage's
+  forward, one of its pullback and one of the head's gradients, which jit keeps: tracing the
+  stage in every kind made a program slower to build, more so the deeper the stage."""
+  from jaxllm.pipeline import one_f_one_b
+  traced = {'forward': 0, 'pullback': 0, 'head': 0}
+
+  def counted(name, method):
+    def count(*args, **kwargs):
+      traced[name] += 1
+      return method(*args, **kwargs)
+    return count
+
+  monkeypatch.setattr(one_f_one_b._Stage, 'linearize',
+                      counted('forward', one_f_one_b._Stage.linearize))
+  monkeypatch.setattr(one_f_one_b._Stage, 'pullback',
+                      staticmethod(counted('pullback', one_f_one_b._Stage.pullback)))
+  monkeypatch.setattr(one_f_one_b._Head, 'grads', counted('head', one_f_one_b._Head.grads))
+  cfg = stack_config()
+  cfg.mesh.pipe = 2
+  mesh = make_mesh(dict(cfg.mesh), jax.devices()[:2])
+  spec = PipelineSpec(2, 2, 4, 'step', 'interleaved_1f1b')
+  graphdef, params = model_on(cfg, mesh)
+  rows = jax.ShapeDtypeStruct((8, 8), jnp.int32)
+  x_BTD = jax.ShapeDtypeStruct((8, 8, cfg.model.embed_dim), jnp.float32)
+  loss = lambda params, x_BTD, *rows: pipelined(spec)(graphdef, params, x_BTD, *rows)[0]
+  with sharding_context(mesh, cfg.sharding.rules):
+    jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, x_BTD, rows, rows, rows,
+                                                  rows.update(dtype=jnp.float32))
+  assert traced == {'forward': 1, 'pullback': 1, 'head': 1}
 
 
 @pytest.mark.slow

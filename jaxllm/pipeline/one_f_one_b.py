@@ -204,8 +204,10 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
         d_weights=pin(zeros(weights), layouts[0]), d_head=pin(zeros(head_params), layouts[1]),
         d_x=jnp.zeros_like(x_M))
 
-  # Traced once, for the shapes of its zeros and for the branch that runs it (jit keeps it).
+  # Traced once, for the shapes of its zeros and for the branch that runs it (jit keeps it);
+  # without the backward, the stage's forward is traced once for every tick kind too.
   run_head = jax.jit(head.grads if backward else head.sums)
+  run_stage = jax.jit(stage.__call__)
 
   def tick(has_f: bool, has_b: bool, with_head: bool):
     """One tick's body: a forward, a backward or both on every stage (each masked where the
@@ -226,7 +228,7 @@ def _run(stage: _Stage, head: _Head, ticks, layouts, fill: float, staged, head_p
           c['buffer'] = [jax.lax.dynamic_update_index_in_dim(b, k, mine['f_slot'], 0)
                          for b, k in zip(c['buffer'], kept)]
         else:
-          y = stage(chunk_weights(r), x, info_of(m), r)
+          y = run_stage(chunk_weights(r), x, info_of(m), r)
         if with_head:  # on the last stage, where it ends a micro-batch; zeros elsewhere
           run = lambda y: run_head(head_params, y, targets_M[m], mask_M[m])
           nothing = lambda y: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
