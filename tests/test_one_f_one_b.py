@@ -201,8 +201,7 @@ def test_the_stage_and_the_head_are_traced_once_whatever_the_ticks(monkeypatch):
                       staticmethod(counted('pullback', one_f_one_b._Stage.pullback)))
   monkeypatch.setattr(one_f_one_b._Head, 'grads', counted('head', one_f_one_b._Head.grads))
   cfg = stack_config()
-  cfg.mesh.pipe = 2
-  mesh = make_mesh(dict(cfg.mesh), jax.devices()[:2])
+  mesh = make_mesh(dict(data=1, fsdp=1, pipe=2, tensor=1), jax.devices()[:2])
   spec = PipelineSpec(2, 2, 4, 'step', 'interleaved_1f1b')
   graphdef, params = model_on(cfg, mesh)
   rows = jax.ShapeDtypeStruct((8, 8), jnp.int32)
