@@ -140,7 +140,7 @@ def test_dropless_layer_equals_all_experts_with_one_hot_gates(moe, mesh_name):
   with sharding_context(mesh, rules):
     (_, (got, stats)), got_grads = jax.jit(jax.value_and_grad(ours, (0, 1), has_aux=True))(
         params, x_BTD)
-  (_, want), want_grads = jax.value_and_grad(reference, (0, 1), has_aux=True)(
+  (_, want), want_grads = jax.jit(jax.value_and_grad(reference, (0, 1), has_aux=True))(
       jax.device_get(params), x_BTD)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert float(stats.dropped) == 0 and float(stats.load_E.sum()) == 8 * 6 * 2
@@ -187,7 +187,8 @@ def test_router_losses_are_transformers_load_balancing_and_z_losses(one_device):
     objective, routing = router_losses(stats, m, tokens)
     return routing.aux / tokens, (objective, routing)
 
-  (aux, (objective, routing)), grad = jax.value_and_grad(ours, has_aux=True)(logits_LBTE)
+  (aux, (objective, routing)), grad = jax.jit(jax.value_and_grad(ours, has_aux=True))(
+      logits_LBTE)
   logits_torch = torch.tensor(logits_LBTE, requires_grad=True)
   want_aux = load_balancing_loss_func(tuple(logits_torch.reshape(L, B * T, E)), E, K)
   want_aux.backward()
