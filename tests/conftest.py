@@ -206,7 +206,7 @@ def step_gradients(cfg, devices=None):
   step = make_train_step(run.graphdef, keep, lambda _: 0.0, cfg.train.micro_batches,
                          run.pipeline)
   with sharding_context(run.mesh, run.layout.rules):
-    state = TrainState(run.state.step, run.state.params, keep.init(run.state.params))
+    state = TrainState(run.state.step, run.state.params, jax.jit(keep.init)(run.state.params))
     options = compiler_options(cfg.model, run.mesh.devices.flat[0].platform,
                                run.pipeline is not None)
     new_state, metrics = jax.jit(step, compiler_options=options)(state, next(run.batches))

@@ -314,7 +314,7 @@ def first_step(cfg, devices=None):
   step = make_train_step(run.graphdef, keep, lambda _: 0.0, cfg.train.micro_batches,
                          run.pipeline, zero=run.layout.zero)
   with sharding_context(run.mesh, run.layout.rules):
-    state = TrainState(run.state.step, run.state.params, keep.init(run.state.params),
+    state = TrainState(run.state.step, run.state.params, jax.jit(keep.init)(run.state.params),
                        router_bias=run.state.router_bias)
     new_state, metrics = jax.jit(step)(state, next(run.batches))
   grads = jax.device_get(new_state.opt_state)
