@@ -272,8 +272,9 @@ def stacked(hlo_text: str, lead: int, dims: tuple[int, ...]) -> set[str]:
   """The program's arrays of `lead` × the dimensions `dims`, in any order: a value stacked
   `lead` times, however XLA laid it out."""
   orders = set(itertools.permutations(dims))
-  return {f'{dtype}[{shape}]' for dtype, shape in re.findall(r'\b([a-z]\w*)\[([\d,]+)\]', hlo_text)
-          if (d := tuple(map(int, shape.split(','))))[0] == lead and d[1:] in orders}
+  found = set(re.findall(rf'\b([a-z]\w*)\[{lead},([\d,]+)\]', hlo_text))
+  return {f'{dtype}[{lead},{rest}]' for dtype, rest in found
+          if tuple(map(int, rest.split(','))) in orders}
 
 
 @pytest.mark.slow
