@@ -22,8 +22,9 @@ from jaxllm.pipeline.gpipe import pipeline_layers, stage_row_order
 from jaxllm.pipeline.one_f_one_b import pipeline_loss
 from jaxllm.pipeline.spec import PipelineSpec, to_stage_order
 
-# The program that makes the state runs once: its code is not worth optimising. Without LLVM's
-# optimisations a CPU compile of tiny's takes 2.3 CPU-seconds, not 6.0.
+# The program that makes the state runs once: its code is not worth optimising. Compiled
+# without LLVM's optimisations, a run of configs/tiny.py starts with ~3 CPU-seconds less
+# (`benchmarks/startup.py`; benchmarks/README.md).
 RUNS_ONCE = {'xla_backend_optimization_level': 0}
 
 
