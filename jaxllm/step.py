@@ -22,11 +22,6 @@ from jaxllm.pipeline.gpipe import pipeline_layers, stage_row_order
 from jaxllm.pipeline.one_f_one_b import pipeline_loss
 from jaxllm.pipeline.spec import PipelineSpec, to_stage_order
 
-# The program that makes the state runs once: its code is not worth optimising. Compiled
-# without LLVM's optimisations, a run of configs/tiny.py starts with ~3 CPU-seconds less
-# (`benchmarks/startup.py`; benchmarks/README.md).
-RUNS_ONCE = {'xla_backend_optimization_level': 0}
-
 
 class TrainState(NamedTuple):
   step: jax.Array        # optimizer steps taken
@@ -92,7 +87,7 @@ def init_state(model_cfg: ConfigDict, tx: optax.GradientTransformation, mesh, ru
   graphdefs = []
   with sharding_context(mesh, rules):
     state = jax.jit(_create_fn(model_cfg, tx, seed, pipeline, graphdefs.append),
-                    out_shardings=shardings, compiler_options=RUNS_ONCE)()
+                    out_shardings=shardings)()
   return graphdefs[0], state, shardings
 
 
