@@ -77,10 +77,10 @@ def main() -> None:
         compiles[case].append(compiled)
         print(f'round {round_ + 1}  {case:26s} start-up {wall:6.1f}s  CPU {cpu:6.1f}s  '
               f'train step compiled in {compiled:5.1f}s' + ('  (cache hit)' if hit else ''))
-  base_wall, base_compile = (statistics.median(walls[CASES[0]]),
-                             statistics.median(compiles[CASES[0]]))
+  base_wall, base_cpu, base_compile = (statistics.median(walls[CASES[0]]),
+                                       statistics.median(cpus[CASES[0]]),
+                                       statistics.median(compiles[CASES[0]]))
   print(f'\nmedians over {args.rounds} round(s), ratio to no cache:')
-  base_cpu = statistics.median(cpus[CASES[0]])
   for case in CASES:
     wall, cpu = statistics.median(walls[case]), statistics.median(cpus[case])
     compiled = statistics.median(compiles[case])

@@ -188,11 +188,12 @@ def one_device_run(corpus):
   return once_per_run('one_device_run', run)
 
 
-def step_gradients(cfg, devices=None):
-  """The loss and the parameter gradients (summed over the batch, divided by its tokens) of
-  the first step of `cfg` from its initial params, as its train step computes them on its
-  mesh: `jaxllm.step.make_train_step` with an "optimizer" that stores the gradients it is
-  given as its state. Blocks in layer order, on the host."""
+def first_step(cfg, devices=None):
+  """The metrics (on the host) and the parameter gradients (summed over the batch, divided by
+  its tokens) of the first step of `cfg` from its initial params, as its train step computes
+  them on its mesh (its ZeRO stage, its routers' biases): `jaxllm.step.make_train_step` with
+  an "optimizer" that stores the gradients it is given as its state. Blocks in layer order,
+  on the host."""
   import optax
   from jaxllm.backends import compiler_options
   from jaxllm.pipeline.spec import from_stage_order
@@ -204,15 +205,22 @@ def step_gradients(cfg, devices=None):
       lambda grads, _, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
   run = setup(cfg, devices)
   step = make_train_step(run.graphdef, keep, lambda _: 0.0, cfg.train.micro_batches,
-                         run.pipeline)
+                         run.pipeline, zero=run.layout.zero)
   with sharding_context(run.mesh, run.layout.rules):
-    state = TrainState(run.state.step, run.state.params, jax.jit(keep.init)(run.state.params))
+    state = TrainState(run.state.step, run.state.params, jax.jit(keep.init)(run.state.params),
+                       router_bias=run.state.router_bias)
     options = compiler_options(cfg.model, run.mesh.devices.flat[0].platform,
                                run.pipeline is not None)
     new_state, metrics = jax.jit(step, compiler_options=options)(state, next(run.batches))
   grads = jax.device_get(new_state.opt_state)
   if run.pipeline:
     grads = from_stage_order(grads, run.pipeline.stages, run.pipeline.repeats)
+  return jax.device_get(metrics), grads
+
+
+def step_gradients(cfg, devices=None):
+  """`first_step`'s loss and gradients."""
+  metrics, grads = first_step(cfg, devices)
   return float(metrics['loss']), grads
 
 

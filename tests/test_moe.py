@@ -13,7 +13,8 @@ from flax import nnx
 from ml_collections import FrozenConfigDict
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from conftest import assert_params_close, leaf_paths, once_per_run, paired_leaves, text_config
+from conftest import (assert_params_close, first_step, leaf_paths, once_per_run, paired_leaves,
+                      text_config)
 from jaxllm.config import ConfigError, default_config
 from jaxllm.metrics import param_counts
 from jaxllm.model import KVCache, Transformer, sequence_positions
@@ -298,29 +299,6 @@ def moe_config(data_path, **mesh):
   cfg = text_config(data_path, **mesh)
   cfg.model.moe.update(experts=8, top_k=2, mlp_dim=32, aux_loss=0.01, z_loss=0.001)
   return cfg
-
-
-def first_step(cfg, devices=None):
-  """The first step's metrics (the loss and the routers') and parameter gradients, as
-  `conftest.step_gradients` takes them."""
-  import optax
-  from jaxllm.pipeline.spec import from_stage_order
-  from jaxllm.step import TrainState, make_train_step
-  from jaxllm.train import setup
-  keep = optax.GradientTransformation(
-      lambda params: jax.tree.map(jnp.zeros_like, params),
-      lambda grads, _, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
-  run = setup(cfg, devices)
-  step = make_train_step(run.graphdef, keep, lambda _: 0.0, cfg.train.micro_batches,
-                         run.pipeline, zero=run.layout.zero)
-  with sharding_context(run.mesh, run.layout.rules):
-    state = TrainState(run.state.step, run.state.params, jax.jit(keep.init)(run.state.params),
-                       router_bias=run.state.router_bias)
-    new_state, metrics = jax.jit(step)(state, next(run.batches))
-  grads = jax.device_get(new_state.opt_state)
-  if run.pipeline:
-    grads = from_stage_order(grads, run.pipeline.stages, run.pipeline.repeats)
-  return jax.device_get(metrics), grads
 
 
 @pytest.fixture(scope='module')
