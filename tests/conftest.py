@@ -34,7 +34,7 @@ from jaxllm.config import default_config
 
 # The CPU programs the tests compile run a few steps: LLVM's optimisations and XLA's CPU fusion
 # emitters take most of a compile (a mesh step compiles in a third of the CPU time without
-# them) and make each step ~2.5x slower, so a process that runs many steps (a notebook's 60,
+# them) and make each step ~2.5x slower, so a process that runs many steps (a notebook's 40,
 # the CLI's 30) goes without them: USER_XLA_FLAGS. The CPU program fuses differently without
 # the emitters (the collectives and shardings tests read are the same); GPU programs
 # are the same, byte for byte. Set before the backends start; commands a test starts inherit.

@@ -31,7 +31,7 @@ READ_BACK = {
 def kernel_env(tmp_path, monkeypatch):
   """A `python3` kernel that is this interpreter, found first whatever else is registered
   (nothing is installed outside tmp_path); matplotlib without a display; XLA's flags as a
-  user's (a notebook trains for up to 100 steps: cheap compiles would make it slower)."""
+  user's (a notebook trains for up to 40 steps: cheap compiles would make it slower)."""
   write_kernel_spec(os.path.join(tmp_path, 'kernels', 'python3'))
   monkeypatch.setenv('JUPYTER_PATH', str(tmp_path))
   monkeypatch.setenv('MPLBACKEND', 'Agg')
