@@ -371,12 +371,15 @@ def run_dir(name: str) -> str:
 # Fixtures that take seconds to build and hold what no file can (compiled programs keep their
 # devices): every test that uses one of a group runs on the xdist worker that builds them
 # (`--dist loadgroup`, pyproject.toml), so each is built once per run. What can be pickled is
-# shared through `once_per_run` instead, and its tests spread over the workers.
+# shared through `once_per_run` instead, and its tests spread over the workers; but where they
+# only read it, a second worker asking for it would sit idle until the first has made it (the
+# CLI's tiny runs: 23 s), so they are a group too.
 ONE_WORKER = {
     'h100_programs': {'tiny_program', 'tiny_accumulating', 'one_b_programs', 'tiny_pipelines',
                       'pipeline_program', 'tiny_split'},
     'sequence_parallel_programs': {'tiny_programs'},
     'qwen3_moe_program': {'qwen3_moe'},
+    'cli_tiny_runs': {'tiny_runs'},
 }
 
 
