@@ -194,10 +194,10 @@ def test_router_losses_are_transformers_load_balancing_and_z_losses(one_device):
   want_aux = load_balancing_loss_func(tuple(logits_torch.reshape(L, B * T, E)), E, K)
   want_aux.backward()
   np.testing.assert_allclose(aux, want_aux.item(), rtol=1e-6)
-  # Summed in another order than torch's: a component near zero differs by fp32 roundings of
-  # the gradient's scale, not of its own (2.4e-9 on 5.8e-5 on some CPUs).
+  # To 1e-5 of the gradient's scale: summed in another order than torch's, a component near
+  # zero differs by fp32 roundings of the larger terms (2.4e-9 on 5.8e-5 on some CPUs).
   want_grad = logits_torch.grad.numpy()
-  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6 * np.abs(want_grad).max())
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5 * np.abs(want_grad).max())
   lse = np.log(np.exp(logits_LBTE.astype(np.float64)).sum(-1))
   np.testing.assert_allclose(routing.z / tokens, np.mean(lse ** 2), rtol=1e-6)
   np.testing.assert_allclose(objective, (0.01 * want_aux.item() + 0.001 * np.mean(lse ** 2))
