@@ -59,17 +59,18 @@ _PER_NODE = flags.DEFINE_integer('devices-per-node', 0, 'With --hlo: devices are
 def parse_and_place(argv: list[str], doc: str = __doc__):
   """The config, hardware profile and devices to analyse from the command line: N GPUs of the
   profile (compiled for, never present), or with --compiler=cpu N devices simulated on the
-  CPU (default: those present, config.cpu_devices on a CPU). Starts JAX's backends. `doc`:
-  the command's docstring, for --help."""
+  CPU (default: those present, config.cpu_devices on a CPU): the first N of at least as many,
+  so that a process whose backends have started with more (a notebook's) can analyse for
+  fewer. Starts JAX's backends. `doc`: the command's docstring, for --help."""
   cfg, _ = parse_command_line(argv, doc)
   check_flags()
   hardware = hardware_profile(HARDWARE.value, DEVICE_MEMORY.value)
   if COMPILER.value == 'cpu' and DEVICES.value:  # before JAX starts its backends
     jax.config.update('jax_platforms', 'cpu')
-    cfg.cpu_devices = DEVICES.value
+    cfg.cpu_devices = max(cfg.cpu_devices, DEVICES.value)
   start_backends(cfg)
   if COMPILER.value == 'cpu':
-    return cfg, hardware, jax.devices()
+    return cfg, hardware, jax.devices()[:DEVICES.value or None]
   sizes = [cfg.mesh[a] for a in MESH_AXES]
   count = DEVICES.value or (math.prod(sizes) if min(sizes) > 0 else hardware.devices_per_node)
   return cfg, hardware, gpu_devices(hardware, count)

@@ -28,7 +28,7 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 
 from jaxllm import analyze
-from jaxllm.backends import user_cache
+from jaxllm.backends import is_compile_only, user_cache
 from jaxllm.cli import main_guard
 from jaxllm.config import DISPATCHES, MESH_AXES, PIPELINE_SCHEDULES, REMAT_POLICIES, ConfigError
 from jaxllm.cost.report import seconds_text
@@ -153,10 +153,13 @@ def main(argv: list[str]) -> None:
   if hardware.rates is None:
     raise ConfigError(f'--hardware={hardware.name} has no measured kernel rates to rank by; use '
                       'h100-nvlink or h200-nvlink (analyze still reads its memory and traffic).')
-  if _MEASURE.value and len(devices) != jax.device_count():
+  # --measure runs the candidates on devices present: those ranked for (--compiler=cpu), or
+  # as many as the GPUs compiled for.
+  present = jax.devices() if is_compile_only(devices[0]) else devices
+  if _MEASURE.value and len(present) != len(devices):
     raise ConfigError(f'--measure runs the candidates on the devices present, '
-                      f'{jax.device_count()} × {jax.devices()[0].device_kind}; rank for as many '
-                      f'(--devices {jax.device_count()}) or leave --measure out.')
+                      f'{len(present)} × {present[0].device_kind}; rank for as many '
+                      f'(--devices {len(present)}) or leave --measure out.')
   start = time.perf_counter()
   with ProgressBar() as bar:
     ranking = rank(cfg, hardware, space, devices, exhaustive=_EXHAUSTIVE.value, top=_TOP.value,
@@ -178,10 +181,10 @@ def main(argv: list[str]) -> None:
     return
   print(format_table(rows, skipped, hardware, devices))
   if _MEASURE.value:
-    print(f'measured on {jax.device_count()} × {jax.devices()[0].device_kind}, '
+    print(f'measured on {len(present)} × {present[0].device_kind}, '
           f'{_MEASURE_STEPS.value} steps each:')
     for i, r in enumerate(rows[:_MEASURE.value], 1):
-      seconds = measure(r['config'], _MEASURE_STEPS.value)
+      seconds = measure(r['config'], _MEASURE_STEPS.value, present)
       print(f'{i:>3}  {" ".join(f"{a}={n}" for a, n in r["mesh"].items())}  remat '
             f'{r["remat"]}  micro {r["micro_batches"]}  zero {r["zero"]}  split {r["split"]}  '
             f'chunk {r["loss_chunk"]}  pipeline {r["pipeline"]}: measured {seconds_text(seconds)}'

@@ -334,6 +334,21 @@ def test_tune_ranks_the_tiny_config_and_measures_the_best_two(tiny_searches, mon
     assert dict(run.mesh.shape) == row['mesh'] and run.cfg.to_dict() == row['config'].to_dict()
 
 
+def test_tune_on_the_cpu_compiler_measures_on_the_devices_it_ranked_for():
+  """--compiler=cpu --devices 1 in a process of 8 CPU devices: the first one, where the best
+  candidate is then measured (as many devices as ranked for)."""
+  result = run_cli_in_process('--config', 'configs/tiny.py', '--compiler', 'cpu', '--devices', '1',
+                              '--remat', 'none', '--micro-batches', '1', '--measure', '1',
+                              '--measure-steps', '1', module='jaxllm.tune')
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.strip().splitlines()
+  assert lines[0] == ("1 candidates fit h100-nvlink (none left out); CPU compiler's program for "
+                      '1 devices; predicted, best first:')
+  assert lines[-2] == 'measured on 1 × cpu, 1 steps each:'
+  assert re.fullmatch(r'  1  data=1 fsdp=1 pipe=1 tensor=1  remat none  micro 1  .*: measured '
+                      r'[\d,.]+ ms per step, predicted [\d,.]+ (ms|µs) on h100-nvlink', lines[-1])
+
+
 STEP = 0.25  # seconds of `measure_on_a_clock`'s clock a train step takes
 
 
