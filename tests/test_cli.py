@@ -26,8 +26,8 @@ from jaxllm.metrics import MetricsLog
 from jaxllm.validate import validate
 
 
-TINY_RUN = ['--config', 'configs/tiny.py', '--config.train.steps=30', '--config.train.log_every=10',
-            '--config.data.eval_fraction=0.05', '--config.eval.every=15']
+TINY_RUN = ['--config', 'configs/tiny.py', '--config.train.steps=20', '--config.train.log_every=5',
+            '--config.data.eval_fraction=0.05', '--config.eval.every=10']
 
 
 def read_rows(workdir) -> list[dict]:
@@ -49,7 +49,7 @@ def tiny_runs():
       result = subprocess.run([command, *TINY_RUN, *evaluate, f'--workdir={workdir}',
                                f'--config.compilation_cache={root}/cache'],
                               cwd=REPO, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, 'XLA_FLAGS': USER_XLA_FLAGS})  # 30 steps
+                              env={**os.environ, 'XLA_FLAGS': USER_XLA_FLAGS})  # 20 steps
       assert result.returncode == 0, result.stderr[-2000:]
       runs.append((result, workdir))
     return runs
@@ -62,16 +62,16 @@ def test_tiny_config_trains_evaluates_and_writes_metrics(tiny_runs):
   logged = read_rows(workdir)
   rows = [r for r in logged if 'loss' in r]
   evals = [r for r in logged if 'eval_loss' in r]
-  assert [r['step'] for r in rows] == [10, 20, 30]
-  assert [r['step'] for r in evals] == [15, 30]
+  assert [r['step'] for r in rows] == [5, 10, 15, 20]
+  assert [r['step'] for r in evals] == [10, 20]
   assert evals[1]['eval_loss'] < evals[0]['eval_loss']
   assert all(abs(r['eval_perplexity'] - math.exp(r['eval_loss'])) < 1e-6 * r['eval_perplexity']
              for r in evals)
   assert 'eval_loss' in result.stdout
   assert {'loss', 'grad_norm', 'lr', 'step_time', 'tokens_per_sec'} <= rows[0].keys()
   # Only the last interval saved (checkpoint.every=100 > steps), and the log says so.
-  assert [r['save_time'] > 0 for r in rows] == [False, False, True]
-  assert sorted(os.listdir(workdir / 'checkpoints')) == ['30']
+  assert [r['save_time'] > 0 for r in rows] == [False, False, False, True]
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['20']
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
   assert 'mesh  data=2 fsdp=2 pipe=1 tensor=2' in result.stdout
   assert json.loads((workdir / 'config.json').read_text())['mesh']['tensor'] == 2
@@ -140,7 +140,7 @@ def test_the_second_run_reads_the_compiled_step_from_the_cache(tiny_runs):
   # The program read back is the one compiled: the same losses to the last bit.
   losses = lambda rows: [(r['step'], r['loss']) for r in rows if 'loss' in r]
   assert losses(read_rows(second_dir)) == losses(read_rows(first_dir))
-  assert len(losses(read_rows(first_dir))) == 3
+  assert len(losses(read_rows(first_dir))) == 4
 
 
 def test_a_tensorboard_dir_that_cannot_be_written_is_a_config_error(tmp_path):
@@ -235,11 +235,11 @@ def test_tiny_config_fine_tunes_on_conversations_with_every_extra_split(tmp_path
       f'--config.data.chat_template={tmp_path}/chatml.jinja', '--config.eval.every=0',
       '--config.model.num_kv_heads=1', "--config.sharding.rules.batch=('data',)",
       "--config.sharding.rules.seq=('fsdp',)", "--config.sharding.rules.act_seq=('tensor',)",
-      '--config.sharding.zero=1', '--config.train.steps=20', '--config.train.log_every=10',
+      '--config.sharding.zero=1', '--config.train.steps=10', '--config.train.log_every=5',
       f'--workdir={workdir}')
   assert result.returncode == 0, result.stderr[-2000:]
   rows = read_rows(workdir)
-  assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
+  assert rows[-1]['loss'] < rows[0]['loss'] - 0.5  # 5.20 at step 5, 4.08 at 10
   saved = json.loads((workdir / 'config.json').read_text())
   rules = saved['sharding']['rules']
   # The rules as configured: one K/V head over tensor=2 is kept whole by the run's own rules
