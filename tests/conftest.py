@@ -397,7 +397,7 @@ def pytest_runtest_protocol(item, nextitem):
   """After each test (its fixtures torn down), its garbage is collected and what outlives it
   (caches of traced and compiled programs, the fixtures kept for later tests) is frozen out
   of Python's later collections. Each collection of the oldest generation walked every object
-  the process had kept: a run's workers spent 70 CPU-s collecting, 27 this way. (A frozen
+  the process had kept: a run's workers spent 70 CPU-s collecting, 28 this way. (A frozen
   fixture's reference cycles outlive its teardown; the run's peak memory is the same.)"""
   yield
   gc.collect()
