@@ -26,7 +26,7 @@ from jaxllm.metrics import MetricsLog
 from jaxllm.validate import validate
 
 
-TINY_RUN = ['--config', 'configs/tiny.py', '--config.train.steps=20', '--config.train.log_every=5',
+TINY_RUN = ['--config', 'configs/tiny.py', '--config.train.steps=20', '--config.train.log_every=4',
             '--config.data.eval_fraction=0.05', '--config.eval.every=10']
 
 
@@ -62,15 +62,15 @@ def test_tiny_config_trains_evaluates_and_writes_metrics(tiny_runs):
   logged = read_rows(workdir)
   rows = [r for r in logged if 'loss' in r]
   evals = [r for r in logged if 'eval_loss' in r]
-  assert [r['step'] for r in rows] == [5, 10, 15, 20]
-  assert [r['step'] for r in evals] == [10, 20]
+  assert [r['step'] for r in rows] == [4, 8, 12, 16, 20]
+  assert [r['step'] for r in evals] == [10, 20]  # (10: between two logged steps)
   assert evals[1]['eval_loss'] < evals[0]['eval_loss']
   assert all(abs(r['eval_perplexity'] - math.exp(r['eval_loss'])) < 1e-6 * r['eval_perplexity']
              for r in evals)
   assert 'eval_loss' in result.stdout
   assert {'loss', 'grad_norm', 'lr', 'step_time', 'tokens_per_sec'} <= rows[0].keys()
   # Only the last interval saved (checkpoint.every=100 > steps), and the log says so.
-  assert [r['save_time'] > 0 for r in rows] == [False, False, False, True]
+  assert [r['save_time'] > 0 for r in rows] == [False, False, False, False, True]
   assert sorted(os.listdir(workdir / 'checkpoints')) == ['20']
   assert rows[-1]['loss'] < rows[0]['loss'] - 0.5
   assert 'mesh  data=2 fsdp=2 pipe=1 tensor=2' in result.stdout
@@ -140,7 +140,7 @@ def test_the_second_run_reads_the_compiled_step_from_the_cache(tiny_runs):
   # The program read back is the one compiled: the same losses to the last bit.
   losses = lambda rows: [(r['step'], r['loss']) for r in rows if 'loss' in r]
   assert losses(read_rows(second_dir)) == losses(read_rows(first_dir))
-  assert len(losses(read_rows(first_dir))) == 4
+  assert len(losses(read_rows(first_dir))) == 5
 
 
 def test_a_tensorboard_dir_that_cannot_be_written_is_a_config_error(tmp_path):
