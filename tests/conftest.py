@@ -394,20 +394,14 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  """After each test (its fixtures torn down), its garbage is collected and what outlives it
-  (caches of traced and compiled programs, the fixtures kept for later tests) is frozen out
-  of Python's later collections. Each collection of the oldest generation walked every object
-  the process had kept: a run's workers spent 70 CPU-s collecting, 28 this way. (A frozen
-  fixture's reference cycles outlive its teardown; the run's peak memory is the same.)"""
+  """After each test (its fixtures torn down, the session's too after the last), its garbage
+  is collected and what outlives it (caches of traced and compiled programs, the fixtures kept
+  for later tests) is frozen out of Python's later collections: pytest's own five at the end
+  (its check for exceptions raised in `__del__`) among them. Each collection of the oldest
+  generation walked every object the process had kept: a run's workers spent 70 CPU-s
+  collecting, 28 this way. (A frozen fixture's reference cycles outlive its teardown; the
+  run's peak memory is the same.)"""
   yield
-  gc.collect()
-  gc.freeze()
-
-
-def pytest_sessionfinish(session):
-  """pytest ends with its check for exceptions raised where none could be caught (in
-  `__del__`): five garbage collections. One here finalises the garbage while pytest still
-  listens, and what outlives it is frozen out of the five."""
   gc.collect()
   gc.freeze()
 
