@@ -106,7 +106,8 @@ def test_every_command_is_installed_as_its_modules_entry_point():
     module = f'jaxllm.{name}.__main__' if package else f'jaxllm.{name}'
     assert scripts[f'jaxllm-{name}'].load() is importlib.import_module(module).cli
     assert os.path.isfile(os.path.join(sysconfig.get_path('scripts'), f'jaxllm-{name}'))
-    source = open(os.path.join(REPO, *module.split('.')) + '.py').read()
+    with open(os.path.join(REPO, *module.split('.')) + '.py') as f:
+      source = f.read()
     assert source.endswith("if __name__ == '__main__':\n  cli()\n"), name
 
 
