@@ -141,6 +141,7 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
   start = time.perf_counter()
   compiled = step.lower(params, opt_state, first_batch).compile()
   compile_s = time.perf_counter() - start
+  check_plain_fits(MemoryStats.of(compiled), run.mesh.devices.flat[0])
 
   def state_step(state, batch):
     params, opt_state, step_metrics = compiled(*state, batch)
@@ -153,6 +154,21 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
                         lambda: clocks)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
           'compiled_peak': MemoryStats.of(compiled).peak, 'clocks': clocks.text()}
+
+
+def check_plain_fits(memory: MemoryStats, device) -> None:
+  """Refuses, in one line, a plain step the device has no room for beside what it holds (its
+  arguments are on it already): it would fail in its first step with an allocator's dump."""
+  stats = device.memory_stats()  # None on a CPU
+  if not stats or not stats.get('bytes_limit'):
+    return
+  needed = memory.outputs - memory.aliases + memory.temporaries
+  free = stats['bytes_limit'] - stats['bytes_in_use']
+  if needed > free:
+    raise ConfigError(
+        f'--plain: the plain step needs {size_text(needed)} more than its state, and '
+        f'{size_text(free)} of the device is free (its fp32 logits are the largest part): '
+        'lower --config.train.global_batch, or raise XLA_PYTHON_CLIENT_MEM_FRACTION.')
 
 
 def search_layers(peak_of, fits, cap: int) -> tuple[int, int | None]:

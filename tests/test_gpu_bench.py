@@ -27,6 +27,7 @@ learning-rate schedules are checked against their written-out formulas in tests/
 AdamW and its decay mask are optax's and have no independent reference here.
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -39,6 +40,7 @@ import pytest
 
 from conftest import REPO, assert_params_close, load_script, run_main, small_config
 from jaxllm.cli import load_config
+from jaxllm.cost.cache import MemoryStats
 from jaxllm.model.layers import rope_frequencies
 from jaxllm.model.remat import REMAT
 from jaxllm.optim import make_optimizer
@@ -163,6 +165,29 @@ def test_gpu_bench_bad_input_is_one_line(args, message):
   assert out.returncode == 2, out.stderr
   assert out.stderr.strip().startswith('error: ') and message in out.stderr, out.stderr
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_plain_step_without_room_on_the_device_is_refused_in_one_line():
+  """On one H100 (60 GiB for the process) the plain step of Llama-3.2-1B at 8 × 4,096 tokens
+  needed 68 GiB and died in its first step with the allocator's dump: it is refused before,
+  naming the batch. What it already holds (its arguments) is not counted twice."""
+  GiB = 2**30
+
+  class Device:
+    def __init__(self, stats):
+      self.stats = stats
+
+    def memory_stats(self):
+      return self.stats
+
+  plain = MemoryStats(arguments=20 * GiB, outputs=20 * GiB, aliases=20 * GiB,
+                      temporaries=39 * GiB)
+  beside_its_state = Device({'bytes_limit': 60 * GiB, 'bytes_in_use': 20 * GiB})
+  with pytest.raises(gpu.ConfigError, match=r'needs 41\.00 GiB .* 40\.00 GiB .* is free.*'
+                                            r'--config\.train\.global_batch'):
+    gpu.check_plain_fits(dataclasses.replace(plain, temporaries=41 * GiB), beside_its_state)
+  gpu.check_plain_fits(plain, beside_its_state)
+  gpu.check_plain_fits(dataclasses.replace(plain, temporaries=10**15), Device(None))  # a CPU
 
 
 def test_the_warm_up_runs_on_until_its_seconds_have_passed():

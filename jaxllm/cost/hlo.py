@@ -35,6 +35,9 @@ DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2
 # Ops that pass a value on whole (same elements), looked through when following a result.
 # `convert` too: the CPU compiler computes bf16 arithmetic in f32 and converts around it.
 PASS_THROUGH = ('bitcast', 'copy', 'reshape', 'transpose', 'convert')
+# A fusion kernel, as XLA runs it in line or, from jax 0.11, as `fusion-start` (its `fusion-done`
+# launches nothing): a dynamic-update-slice fusion of a loop's stacked values, say.
+FUSIONS = ('fusion', 'fusion-start')
 
 
 @dataclasses.dataclass
@@ -299,7 +302,7 @@ def _sliced_to(computations, comp: str, name: str, elements: int, parts: int,
     elif user.opcode in PASS_THROUGH:
       if not _sliced_to(computations, comp, user.name, elements, parts, depth + 1, outside):
         return False
-    elif user.opcode == 'fusion':
+    elif user.opcode in FUSIONS:
       fused = called(user)
       params = {int(i.args): i.name for i in computations[fused].values()
                 if i.opcode == 'parameter'}
@@ -316,7 +319,7 @@ def _only_added(computations, comp: str, user: Instruction, values: set[str]) ->
   """Whether `user` (an add, or a fusion) uses `values` only by adding them up."""
   if user.opcode == 'add':
     return True
-  if user.opcode != 'fusion':
+  if user.opcode not in FUSIONS:
     return False
   fused = called(user)
   params = {int(i.args): i.name for i in computations[fused].values() if i.opcode == 'parameter'}
@@ -643,7 +646,7 @@ def largest_values(hlo_text: str, k: int = 5) -> list[tuple[int, str, str]]:
   """The `k` largest arrays the program computes (outside fusions, whose insides are never
   held), as (bytes, shape, the JAX operation that made it), each shape and operation once."""
   computations, counts = program(hlo_text)
-  fused = {m for insts in computations.values() for i in insts.values() if i.opcode == 'fusion'
+  fused = {m for insts in computations.values() for i in insts.values() if i.opcode in FUSIONS
            for m in re.findall(r'calls=%?([\w.\-]+)', i.attrs)}
   skip = ('parameter', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'call', 'conditional',
           'constant', 'custom-call')

@@ -47,7 +47,7 @@ NO_KERNEL = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', '
              'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'domain',
              'all-gather-done', 'all-reduce-done', 'collective-permute-done', 'async-done',
              'async-update', 'reduce-scatter-done', 'all-to-all-done', 'copy-done', 'send-done',
-             'recv-done', 'while', 'conditional', 'call'}
+             'recv-done', 'fusion-done', 'while', 'conditional', 'call'}
 CATEGORIES = ('gemm', 'attention', 'memory', 'launch', 'contention', 'exposed_comm')
 # Kernels that need every SM they can get, and run slower on those NCCL leaves them.
 SM_BOUND = ('gemm', 'attention')
@@ -95,7 +95,7 @@ def _dots_in(computations, comp: str):
   for inst in computations.get(comp, {}).values():
     if inst.opcode == 'dot':
       yield computations[comp], inst
-    elif inst.opcode == 'fusion':
+    elif inst.opcode in hlo.FUSIONS:
       yield from _dots_in(computations, hlo.called(inst))
 
 
@@ -205,7 +205,7 @@ def kernel_time(computations, comp: str, inst: hlo.Instruction, rates: KernelRat
         attention.backward, attention.head_dim, attention.length, 'CAUSAL' in attention.mask,
         attention.window)
     return kernel
-  if inst.opcode == 'fusion':
+  if inst.opcode in hlo.FUSIONS:
     dots = [hlo.gemm_shape(body, dot) for body, dot in _dots_in(computations, hlo.called(inst))]
     if any(dots):
       kernel.category = 'gemm'
