@@ -163,12 +163,12 @@ def check_plain_fits(memory: MemoryStats, device) -> None:
   if not stats or not stats.get('bytes_limit'):
     return
   needed = memory.outputs - memory.aliases + memory.temporaries
-  free = stats['bytes_limit'] - stats['bytes_in_use']
+  free = stats['bytes_limit'] - stats.get('bytes_in_use', 0)
   if needed > free:
     raise ConfigError(
-        f'--plain: the plain step needs {size_text(needed)} more than its state, and '
-        f'{size_text(free)} of the device is free (its fp32 logits are the largest part): '
-        'lower --config.train.global_batch, or raise XLA_PYTHON_CLIENT_MEM_FRACTION.')
+        f'--plain: the plain step needs {size_text(needed)} beside its state and '
+        f'{size_text(free)} of the device is free (plain JAX holds whole fp32 logits): lower '
+        '--config.train.global_batch, or raise XLA_PYTHON_CLIENT_MEM_FRACTION.')
 
 
 def search_layers(peak_of, fits, cap: int) -> tuple[int, int | None]:
