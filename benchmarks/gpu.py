@@ -141,7 +141,8 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
   start = time.perf_counter()
   compiled = step.lower(params, opt_state, first_batch).compile()
   compile_s = time.perf_counter() - start
-  check_plain_fits(MemoryStats.of(compiled), run.mesh.devices.flat[0])
+  memory = MemoryStats.of(compiled)
+  check_plain_fits(memory, run.mesh.devices.flat[0])
 
   def state_step(state, batch):
     params, opt_state, step_metrics = compiled(*state, batch)
@@ -153,7 +154,7 @@ def time_plain(run, params_host: dict, first_batch, steps: int, warmup: int) -> 
                         settle_seconds(_WARMUP_S.value, run.mesh.devices.flat[0]),
                         lambda: clocks)
   return {'step_s': step_s, 'compile_s': compile_s, 'loss': float(first['loss']),
-          'compiled_peak': MemoryStats.of(compiled).peak, 'clocks': clocks.text()}
+          'compiled_peak': memory.peak, 'clocks': clocks.text()}
 
 
 def check_plain_fits(memory: MemoryStats, device) -> None:

@@ -183,8 +183,9 @@ def test_a_plain_step_without_room_on_the_device_is_refused_in_one_line():
   plain = MemoryStats(arguments=20 * GiB, outputs=20 * GiB, aliases=20 * GiB,
                       temporaries=39 * GiB)
   beside_its_state = Device({'bytes_limit': 60 * GiB, 'bytes_in_use': 20 * GiB})
-  with pytest.raises(gpu.ConfigError, match=r'needs 41\.00 GiB beside its state and 40\.00 GiB .* is free.*'
-                                            r'--config\.train\.global_batch'):
+  refusal = (r'needs 41\.00 GiB beside its state and 40\.00 GiB .* is free.*'
+             r'--config\.train\.global_batch')
+  with pytest.raises(gpu.ConfigError, match=refusal):
     gpu.check_plain_fits(dataclasses.replace(plain, temporaries=41 * GiB), beside_its_state)
   gpu.check_plain_fits(plain, beside_its_state)
   gpu.check_plain_fits(dataclasses.replace(plain, temporaries=10**15), Device(None))  # a CPU
