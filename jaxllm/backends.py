@@ -10,6 +10,7 @@ collectives as they move and its buffer assignment. `analyze` and `tune` read th
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import hashlib
 import importlib.metadata
@@ -27,7 +28,8 @@ GPU_COMPILE_INSTALL = ('pip install "jaxllm[gpu-compile]" (in a checkout: '
 
 def start_backends(cfg: ConfigDict | None = None) -> None:
   """Applies what JAX reads once, when its backends start: the platform and, from a run's
-  config, cpu_devices and xla_flags. Every command calls it before anything runs on a device."""
+  config, cpu_devices and xla_flags. Every command calls it before anything runs on a device,
+  once its imports are done."""
   import jax
   if cfg and cfg.cpu_devices:
     jax.config.update('jax_num_cpu_devices', cfg.cpu_devices)
@@ -38,6 +40,10 @@ def start_backends(cfg: ConfigDict | None = None) -> None:
     # The plugin would fail its start-up check with a long traceback before JAX fell back to
     # the CPU. Left out of the platforms, it still compiles for GPUs (`gpu_devices`).
     jax.config.update('jax_platforms', 'cpu')
+  # What the process holds by now (its modules, the config) lives as long as it does: frozen,
+  # it is left out of every later garbage collection, and tracing a program sets off
+  # thousands (a short tiny run takes ~12% less CPU).
+  gc.freeze()
 
 
 def compiler_options(model_cfg: ConfigDict, platform: str, pipelined: bool = False) -> dict:

@@ -1,5 +1,6 @@
 """`python -m jaxllm.train` end to end, and the one-line errors bad input gets."""
 
+import gc
 import importlib
 import importlib.machinery
 import importlib.metadata
@@ -498,6 +499,17 @@ def test_config_xla_flags_come_before_the_environments(monkeypatch):
   start_backends(cfg)
   assert os.environ['XLA_FLAGS'] == ('--xla_gpu_enable_latency_hiding_scheduler=true '
                                      '--xla_gpu_enable_latency_hiding_scheduler=false')
+
+
+def test_starting_the_backends_leaves_what_exists_out_of_later_collections():
+  """A command starts its backends once its imports are done: what exists then lives as long
+  as the process, and `start_backends` freezes it, so the garbage collections that tracing
+  sets off do not walk it again and again."""
+  from jaxllm.backends import start_backends
+  made = [[] for _ in range(1000)]
+  before = gc.get_freeze_count()
+  start_backends()
+  assert gc.get_freeze_count() >= before + len(made)
 
 
 @pytest.mark.slow
