@@ -143,6 +143,10 @@ def test_the_second_run_reads_the_compiled_step_from_the_cache(tiny_runs):
   losses = lambda rows: [(r['step'], r['loss']) for r in rows if 'loss' in r]
   assert losses(read_rows(second_dir)) == losses(read_rows(first_dir))
   assert len(losses(read_rows(first_dir))) == 5
+  # JAX keeps programs compressed with zstandard (a dependency for it), not zlib: faster to
+  # write and to read back.
+  kept = list((first_dir.parent / 'cache').glob('jit_train_step-*-cache'))
+  assert kept and all(p.read_bytes()[:4] == b'\x28\xb5\x2f\xfd' for p in kept), kept
 
 
 def test_a_tensorboard_dir_that_cannot_be_written_is_a_config_error(tmp_path):
