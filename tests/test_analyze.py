@@ -283,6 +283,14 @@ def test_reruns_are_told_apart_by_who_makes_them():
   assert hlo.recomputed_flops(RERUN_SNIPPET) == {'remat': one, 'xla': 2 * one}
 
 
+def test_the_entry_is_named_as_the_parser_names_it():
+  """`entry_name` reads the ENTRY line alone (the timing model asks for it on every report);
+  the parser reads every computation, the entry's after the others here."""
+  assert hlo.entry_name(RERUN_SNIPPET) == hlo.parse_module(RERUN_SNIPPET)[1] == 'main'
+  named = RERUN_SNIPPET.replace('ENTRY %main', 'ENTRY %main.110_spmd')
+  assert hlo.entry_name(named) == hlo.parse_module(named)[1] == 'main.110_spmd'
+
+
 def test_axes_cross_nodes_as_the_run_lays_them_out():
   shape = dict(data=2, fsdp=8, pipe=1, tensor=4)  # 64 devices: 8 nodes of 8
   assert axes_across_nodes(shape, 'data,pipe,fsdp,tensor', 8) == {'data', 'fsdp'}

@@ -138,6 +138,11 @@ def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
   return computations, entry
 
 
+def entry_name(hlo_text: str) -> str:
+  """The name of the module's entry computation (`parse_module`'s, without parsing the rest)."""
+  return re.search(r'^ENTRY %?([\w.\-]+) ', hlo_text, re.M).group(1)
+
+
 def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
   """The (dtype, dims) of every array in a shape, tuples flattened in order."""
   return [(dtype, tuple(int(d) for d in dims.split(',') if d))

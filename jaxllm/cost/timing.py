@@ -445,7 +445,7 @@ def step_time(text: str, rates: KernelRates, devices: int,
   device); `custom_calls` times the custom calls of those targets (a model's own kernels)."""
   sim = Simulator(text, rates, devices, crosses, custom_calls or {})
   streams = Streams()
-  sim.run(hlo.parse_module(text)[1], streams)
+  sim.run(hlo.entry_name(text), streams)
   step = max([streams.compute, streams.comm, *streams.pending.values()])
   by_category = dict.fromkeys(CATEGORIES, 0.0)
   by_category['launch'] = sim.host_waits
