@@ -1,12 +1,14 @@
 """CPU seconds of compiling a config's train step for GPUs that are not there, with and without
-the GPU kernels kept in the compilation cache (`jaxllm.backends.gpu_kernel_file`).
+the GPU kernels kept in the compilation cache (`jaxllm.backends.gpu_kernel_file`), and with
+ptxas optimizing each kernel as XLA's default would (`compile.COMPILE_OPTIONS` skips that).
 
     python benchmarks/gpu_kernels.py --config configs/X.py [--devices 8] [--config.a.b=v ...]
 
-Four compiles for 8 (`--devices`) H100s, each in a fresh process: without a cache
-(compilation_cache=''), with an empty cache directory (every kernel generated, then kept),
-with that directory again (every kernel found there), and with it once more for the model
-under the other remat policy (none ↔ full: some kernels new, most found). Printed per compile:
+Five compiles for 8 (`--devices`) H100s, each in a fresh process: without a cache
+(compilation_cache=''), the same with ptxas optimizing, with an empty cache directory (every
+kernel generated, then kept), with that directory again (every kernel found there), and with
+it once more for the model under the other remat policy (none ↔ full: some kernels new, most
+found). Printed per compile:
 the CPU seconds it took (the compiler's threads and ptxas processes, as analyze counts them),
 as a ratio to the one without a cache, and whether the program is the one compiled without a
 cache (its optimized HLO and memory; the remat row is another program).
@@ -22,12 +24,13 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compile_once(argv: list[str], devices: int) -> dict:
+def compile_once(argv: list[str], devices: int, ptxas_optimizing: bool) -> dict:
   """In this process: the config of `argv` compiled for `devices` H100s."""
   from jaxllm.backends import gpu_devices, start_backends
   from jaxllm.cli import parse_command_line
-  from jaxllm.cost.compile import compile_step
+  from jaxllm.cost.compile import COMPILE_OPTIONS, compile_step
   from jaxllm.cost.hardware import hardware_profile
+  COMPILE_OPTIONS['xla_gpu_disable_gpuasm_optimizations'] = not ptxas_optimizing
   cfg, _ = parse_command_line(['compile', *argv])
   start_backends(cfg)
   c = compile_step(cfg, gpu_devices(hardware_profile('h100-nvlink'), devices))
@@ -35,9 +38,9 @@ def compile_once(argv: list[str], devices: int) -> dict:
   return {'cpu_s': c.compile_s, 'program': program}
 
 
-def in_a_fresh_process(argv: list[str], devices: int) -> dict:
-  out = subprocess.run([sys.executable, __file__, '--one', str(devices), *argv], cwd=REPO,
-                       capture_output=True, text=True, check=True).stdout
+def in_a_fresh_process(argv: list[str], devices: int, ptxas_optimizing: bool = False) -> dict:
+  out = subprocess.run([sys.executable, __file__, '--one', str(devices), str(ptxas_optimizing),
+                        *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout
   return json.loads(out.strip().splitlines()[-1])
 
 
@@ -50,12 +53,14 @@ def main(argv: list[str]) -> None:
   remat = parse_command_line(['compile', *argv])[0].model.remat
   other = 'full' if remat == 'none' else 'none'
   with tempfile.TemporaryDirectory() as cache:
-    cases = [('no cache', ["--config.compilation_cache="]),
-             ('cache empty', [f'--config.compilation_cache={cache}']),
-             ('cache filled', [f'--config.compilation_cache={cache}']),
+    cases = [('no cache', ["--config.compilation_cache="], False),
+             ('no cache, ptxas optimizing', ["--config.compilation_cache="], True),
+             ('cache empty', [f'--config.compilation_cache={cache}'], False),
+             ('cache filled', [f'--config.compilation_cache={cache}'], False),
              (f'cache filled, remat {other}', [f'--config.compilation_cache={cache}',
-                                               f'--config.model.remat={other}'])]
-    results = [(name, in_a_fresh_process(argv + extra, devices)) for name, extra in cases]
+                                               f'--config.model.remat={other}'], False)]
+    results = [(name, in_a_fresh_process(argv + extra, devices, optimizing))
+               for name, extra, optimizing in cases]
   base = results[0][1]
   print(f'{"compile":28} {"CPU s":>7} {"ratio":>6}  same program')
   for name, r in results:
@@ -65,6 +70,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == '__main__':
   if sys.argv[1:2] == ['--one']:
-    print(json.dumps(compile_once(sys.argv[3:], int(sys.argv[2]))))
+    print(json.dumps(compile_once(sys.argv[4:], int(sys.argv[2]), sys.argv[3] == 'True')))
   else:
     main(sys.argv[1:])

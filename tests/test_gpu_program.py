@@ -18,6 +18,7 @@ from jaxllm import analyze, backends
 from jaxllm.cli import load_config
 from jaxllm.config import ConfigError
 from jaxllm.cost import hlo, timing
+from jaxllm.cost import compile as compile_module
 from jaxllm.cost.compile import compile_step
 from jaxllm.cost.hardware import PROFILES, usable_memory
 from jaxllm.cost.report import attention, format_report, memory, program_report, report
@@ -110,17 +111,21 @@ def test_the_program_is_the_h100s(tiny_program):
 
 
 @pytest.mark.slow
-def test_kernels_kept_in_the_cache_make_the_same_program(h100s, tmp_path):
+def test_kernels_kept_in_the_cache_make_the_same_program(h100s, tmp_path, monkeypatch):
   """A compile for GPUs that are not there keeps its kernels in the compilation cache, one file
   per kind of GPU; a later compile that finds them all there adds none (the file is left as
-  it was) and makes the program, memory and all, that a compile without the cache makes."""
+  it was) and makes the program, memory and all, that a compile without the cache makes, and
+  with ptxas optimizing each kernel as XLA's default would (`COMPILE_OPTIONS` skips that)."""
   cfg = small_config()
   cfg.model.dtype = 'bfloat16'
   path = backends.gpu_kernel_file(str(tmp_path), h100s[0])
   programs, kept = [], []
   for cache in ('', str(tmp_path), str(tmp_path)):  # one line: the same source locations
     cfg.compilation_cache = cache
-    programs.append(compile_step(cfg, h100s[:1]))
+    with monkeypatch.context() as m:
+      if not cache:  # ptxas optimizing each kernel, as XLA's default would
+        m.setitem(compile_module.COMPILE_OPTIONS, 'xla_gpu_disable_gpuasm_optimizations', False)
+      programs.append(compile_step(cfg, h100s[:1]))
     kept.append(os.listdir(os.path.dirname(path)) and (os.stat(path).st_mtime_ns,
                                                         os.path.getsize(path)))
   assert kept[0] == [] and kept[1] and kept[2] == kept[1]
