@@ -38,7 +38,7 @@ def compile_once(argv: list[str], devices: int, ptxas_optimizing: bool) -> dict:
   return {'cpu_s': c.compile_s, 'program': program}
 
 
-def in_a_fresh_process(argv: list[str], devices: int, ptxas_optimizing: bool = False) -> dict:
+def in_a_fresh_process(argv: list[str], devices: int, ptxas_optimizing: bool) -> dict:
   out = subprocess.run([sys.executable, __file__, '--one', str(devices), str(ptxas_optimizing),
                         *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout
   return json.loads(out.strip().splitlines()[-1])
