@@ -125,21 +125,20 @@ def written_flags(text: str) -> tuple[str, str]:
 
 def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
   """{computation: {instruction name: Instruction}} (in order), and the entry's name."""
-  computations, entry, current = {}, None, None
+  computations, current = {}, None
   for line in text.splitlines():
-    header = re.match(r'^(ENTRY )?%?([\w.\-]+) .*\{\s*$', line)
+    header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$', line)
     if header:
-      current = computations.setdefault(header.group(2), {})
-      if header.group(1):
-        entry = header.group(2)
+      current = computations.setdefault(header.group(1), {})
       continue
     if current is not None and (inst := _parse_instruction(line)):
       current[inst.name] = inst
-  return computations, entry
+  return computations, entry_name(text)
 
 
 def entry_name(hlo_text: str) -> str:
-  """The name of the module's entry computation (`parse_module`'s, without parsing the rest)."""
+  """The name of the module's entry computation, read from its line alone (the timing model
+  asks for it on every report, without parsing the rest)."""
   return re.search(r'^ENTRY %?([\w.\-]+) ', hlo_text, re.M).group(1)
 
 
