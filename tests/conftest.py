@@ -20,6 +20,14 @@ import sys
 import tempfile
 import types
 
+# The reference models tests run in torch (transformers') are small: with a thread pool of its
+# own on the 2 cores the workers share, torch spins waiting more than it computes (a tiny Llama
+# forward took 2-3x the CPU time on 2 threads as on 1; test_families' comparisons with
+# transformers 16.5 CPU-s against 17.7, three alternating runs). Set before torch (or numpy's
+# BLAS, which reads it too) starts its threads; workers and the commands tests start inherit
+# it. XLA's thread pools do not read it.
+os.environ.setdefault('OMP_NUM_THREADS', '1')
+
 import jax
 import jax.numpy as jnp
 import numpy as np
