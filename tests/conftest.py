@@ -21,11 +21,11 @@ import tempfile
 import types
 
 # The reference models tests run in torch (transformers') are small: with a thread pool of its
-# own on the 2 cores the workers share, torch spins waiting more than it computes (a tiny Llama
-# forward took 2-3x the CPU time on 2 threads as on 1; test_families' comparisons with
-# transformers 16.5 CPU-s against 17.7, three alternating runs). Set before torch (or numpy's
-# BLAS, which reads it too) starts its threads; workers and the commands tests start inherit
-# it. XLA's thread pools do not read it.
+# own on the 2 cores the workers share, torch spins waiting more than it computes (a tiny Llama's
+# forward took 2-3x the CPU time on 2 threads as on 1, in the same wall time; test_families'
+# comparisons with transformers 16.3-17.0 CPU-s against 16.9-18.4, alternating). Set before torch
+# is imported; the workers and the commands tests start inherit it (numpy's BLAS there reads it
+# too). XLA's thread pools do not read it.
 os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 import jax

@@ -28,10 +28,10 @@ READ_BACK = {
 
 
 # Notebooks whose kernel compiles with a user's XLA flags (USER_XLA_FLAGS): 04 trains 40 steps,
-# each ~2x faster than under the suite's cheap compiles. The others compile more than they run,
-# and take the cheap compiles. Alternating runs of each notebook's code, in CPU-s: 02 took 7-9
-# with them against 13-18 without, 05 (10 MoE steps) 19-27 against 22-30; 04 32-43 against
-# 27-34. 01 and 03 take the same either way (03's programs are the GPU's).
+# each ~2x faster than under the suite's cheap compiles. The others compile more than they run
+# and keep the cheap compiles. Each notebook's code run alternately, CPU-s with the cheap flags
+# against a user's: 02 6-9 against 13-18, 05 (10 MoE steps) 19-27 against 22-30, 04 32-43
+# against 27-34. 01 took the same either way; 03 compiles for GPUs, which the flags leave alone.
 USER_FLAGS = {'04_train_and_sample.ipynb'}
 
 
