@@ -388,11 +388,19 @@ ONE_WORKER = {
     'sequence_parallel_programs': {'tiny_programs'},
     'qwen3_moe_program': {'qwen3_moe'},
     'cli_tiny_runs': {'tiny_runs'},
+    'fp8_one_device_runs': {'one_device_fp8'},  # (a mesh test on the other worker waited 6 s)
 }
 
+# The run ends on these modules' tests, ~70 of a few tenths of a second each. xdist hands each
+# worker up to three tests ahead: a long test near the end keeps one worker busy while the
+# other has nothing left (test_timing's command, 7 s, ended a run alone).
+LAST_MODULES = ('test_data.py', 'test_chat.py', 'test_imports.py')
+assert all(os.path.exists(os.path.join(REPO, 'tests', name)) for name in LAST_MODULES)
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks and the order
 def pytest_collection_modifyitems(items):
+  items.sort(key=lambda item: item.path.name in LAST_MODULES)  # stable: each module in order
   for item in items:
     groups = {g for g, names in ONE_WORKER.items() if names & set(item.fixturenames)}
     assert len(groups) <= 1, f'{item.nodeid} uses fixtures of {groups}: make them one group'
