@@ -395,7 +395,8 @@ ONE_WORKER = {
 # worker up to three tests ahead: a long test near the end keeps one worker busy while the
 # other has nothing left (test_timing's command, 7 s, ended a run alone).
 LAST_MODULES = ('test_data.py', 'test_chat.py', 'test_imports.py')
-assert all(os.path.exists(os.path.join(REPO, 'tests', name)) for name in LAST_MODULES)
+assert all(os.path.exists(os.path.join(REPO, 'tests', name)) for name in LAST_MODULES), (
+    f'LAST_MODULES names a module tests/ does not have: {LAST_MODULES}')
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks and the order
