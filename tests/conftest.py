@@ -399,7 +399,7 @@ assert all(os.path.exists(os.path.join(REPO, 'tests', name)) for name in LAST_MO
     f'LAST_MODULES names a module tests/ does not have: {LAST_MODULES}')
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks and the order
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: item.path.name in LAST_MODULES)  # stable: each module in order
   for item in items:
