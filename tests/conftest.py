@@ -79,10 +79,61 @@ _grain_index_shuffle = grain_shuffle.index_shuffle
 grain_shuffle.index_shuffle = types.SimpleNamespace(
     index_shuffle=functools.lru_cache(maxsize=1 << 20)(_grain_index_shuffle.index_shuffle))
 
+from jaxllm.cost import compile as compile_module  # noqa: E402
 from jaxllm.cost import hlo  # noqa: E402
 from jaxllm.parallel.mesh import make_mesh, sharding_context  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The tests' own GPU programs are compiled to be read, never run, and ptxas, started once per
+# kernel (~180 processes for tiny), is a third of such a compile's CPU time for machine code
+# nothing reads. Their compiles (`compile_step` in a test's process) take a stand-in assembler
+# that writes an empty file for each kernel and reports the real one's version, so the PTX is
+# the same; the HLO and the memory are the same, byte for byte (test_gpu_program's
+# test_kernels_kept_in_the_cache_or_left_unassembled_make_the_same_program). Its kernels are
+# kept apart from ptxas's in the run's cache. ptxas assembles, as for a user, the commands
+# tests run (`run_main`, `run_cli`, the notebooks) and what runs under `real_ptxas`: the
+# published MoE program (our Triton kernels), the FP8 programs, the kernel cache's test.
+PTXAS = shutil.which('ptxas') or '/usr/local/cuda/bin/ptxas'
+PTXAS_STAND_IN = os.path.join(RUN_DIR, 'ptxas-stand-in')  # a CUDA directory: bin/ptxas
+if os.path.exists(PTXAS) and not os.path.exists(PTXAS_STAND_IN):
+  os.makedirs(os.path.join(PTXAS_STAND_IN + '.partial', 'bin'), exist_ok=True)
+  with open(os.path.join(PTXAS_STAND_IN + '.partial', 'bin', 'ptxas'), 'w') as f:
+    f.write('#!/bin/sh\n'
+            '# An empty file where XLA asks ptxas for a kernel (-o FILE); the version is ptxas\'s.\n'
+            f'[ "$1" = --version ] && exec {PTXAS} --version\n'
+            'while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2" && exit 0; shift; done\n'
+            'echo "ptxas stand-in: no -o FILE it could write" >&2; exit 1\n')
+    os.fchmod(f.fileno(), 0o755)
+  os.replace(PTXAS_STAND_IN + '.partial', PTXAS_STAND_IN)
+
+
+def _stand_in_kernel_file(setting, device):
+  path = backends.gpu_kernel_file(setting, device)
+  return path and path.replace('.bin', '.stand-in.bin')
+
+
+def _assemble_with_stand_in(on: bool):
+  if on and os.path.exists(PTXAS_STAND_IN):
+    compile_module.COMPILE_OPTIONS['xla_gpu_cuda_data_dir'] = PTXAS_STAND_IN
+    compile_module.gpu_kernel_file = _stand_in_kernel_file
+  else:
+    compile_module.COMPILE_OPTIONS.pop('xla_gpu_cuda_data_dir', None)
+    compile_module.gpu_kernel_file = backends.gpu_kernel_file
+
+
+@contextlib.contextmanager
+def real_ptxas():
+  """GPU programs compiled within have their kernels assembled by ptxas, as a user's are."""
+  kept = 'xla_gpu_cuda_data_dir' in compile_module.COMPILE_OPTIONS
+  _assemble_with_stand_in(False)
+  try:
+    yield
+  finally:
+    _assemble_with_stand_in(kept)
+
+
+_assemble_with_stand_in(True)
 
 
 def small_config(**mesh):
@@ -301,7 +352,8 @@ def run_main(argv: list[str], cwd=REPO) -> subprocess.CompletedProcess:
   The backends of this process have started (8 CPU devices): the command's `start_backends`
   checks they are what it asks for (`_started`), and a `jaxllm.train` run joins no
   jax.distributed run (`--config.distributed.num_processes=1` is added: JAX would refuse to
-  start it now). What only a fresh process shows is `run_cli`'s."""
+  start it now). ptxas assembles its GPU programs' kernels, as for a user (`real_ptxas`).
+  What only a fresh process shows is `run_cli`'s."""
   assert argv[0] == 'python', argv
   if argv[1] == '-m':
     name, args = argv[2], argv[3:]
@@ -322,7 +374,8 @@ def run_main(argv: list[str], cwd=REPO) -> subprocess.CompletedProcess:
     for m in patched:
       m.start_backends = _started
     sys.argv = [name, *args]
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with (contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err),
+          real_ptxas()):
       try:
         module.main_guard(module.main)
       except SystemExit as e:

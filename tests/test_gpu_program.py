@@ -3,8 +3,10 @@ attention as cuDNN flash attention, moves what the compute dtype says, and its m
 is what a JAX process may really use. (Its traffic against the formulas: test_analyze.)"""
 
 import collections
+import contextlib
 import copy
 import dataclasses
+import glob
 import itertools
 import json
 import math
@@ -13,7 +15,7 @@ import re
 
 import pytest
 
-from conftest import REPO, data_reductions, run_cli_in_process, small_config
+from conftest import REPO, data_reductions, real_ptxas, run_cli_in_process, small_config
 from jaxllm import analyze, backends
 from jaxllm.cli import load_config
 from jaxllm.config import ConfigError
@@ -111,27 +113,34 @@ def test_the_program_is_the_h100s(tiny_program):
 
 
 @pytest.mark.slow
-def test_kernels_kept_in_the_cache_make_the_same_program(h100s, tmp_path, monkeypatch):
+def test_kernels_kept_in_the_cache_or_left_unassembled_make_the_same_program(h100s, tmp_path,
+                                                                            monkeypatch):
   """A compile for GPUs that are not there keeps its kernels in the compilation cache, one file
   per kind of GPU; a later compile that finds them all there adds none (the file is left as
   it was) and makes the program, memory and all, that a compile without the cache makes, and
-  with ptxas optimizing each kernel as XLA's default would (`COMPILE_OPTIONS` skips that)."""
+  with ptxas optimizing each kernel as XLA's default would (`COMPILE_OPTIONS` skips that).
+  So does a compile of the tests' own (conftest's stand-in for ptxas), whose kernels hold no
+  machine code."""
   cfg = small_config()
   cfg.model.dtype = 'bfloat16'
   path = backends.gpu_kernel_file(str(tmp_path), h100s[0])
+  stand_in = str(tmp_path / 'stand_in')
   programs, kept = [], []
-  for cache in ('', str(tmp_path), str(tmp_path)):  # one line: the same source locations
+  for cache in ('', str(tmp_path), str(tmp_path), stand_in):  # one line: the same source lines
     cfg.compilation_cache = cache
-    with monkeypatch.context() as m:
+    assembler = contextlib.nullcontext() if cache == stand_in else real_ptxas()
+    with monkeypatch.context() as m, assembler:
       if not cache:  # ptxas optimizing each kernel, as XLA's default would
         m.setitem(compile_module.COMPILE_OPTIONS, 'xla_gpu_disable_gpuasm_optimizations', False)
       programs.append(compile_step(cfg, h100s[:1]))
-    kept.append(os.listdir(os.path.dirname(path)) and (os.stat(path).st_mtime_ns,
-                                                        os.path.getsize(path)))
-  assert kept[0] == [] and kept[1] and kept[2] == kept[1]
+    kept.append(os.path.exists(path) and (os.stat(path).st_mtime_ns, os.path.getsize(path)))
+  assert kept[0] is False and kept[1] and kept[2] == kept[1] == kept[3]
   assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
-  plain, _, again = programs
+  plain, _, again, unassembled = programs
   assert (again.text, again.memory) == (plain.text, plain.memory)
+  assert (unassembled.text, unassembled.memory) == (plain.text, plain.memory)
+  [stand_in_kernels] = glob.glob(os.path.join(stand_in, '**', '*.bin'), recursive=True)
+  assert os.path.getsize(stand_in_kernels) < os.path.getsize(path) / 4  # no machine code
 
 
 @pytest.mark.slow
@@ -758,8 +767,9 @@ def test_fp8_layer_matmuls_are_cublaslt_fp8_calls_and_gather_fp8(recipe, h100s):
   """configs/tiny.py with model.fp8 on 8 H100s: every matmul of the layers (forward, input
   and weight gradients) is a cuBLASLt FP8 call taking E4M3 inputs and weights and E5M2
   output gradients, none left in bf16; only the head's stay bf16; and fsdp gathers the
-  layers' weights in FP8."""
-  compiled = compile_step(tiny(fp8=recipe), h100s)
+  layers' weights in FP8. ptxas assembles its kernels (the quantizing fusions among them)."""
+  with real_ptxas():
+    compiled = compile_step(tiny(fp8=recipe), h100s)
   computations, counts = hlo.program(compiled.text)
   kinds = collections.Counter()
   for comp, insts in computations.items():
