@@ -92,8 +92,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the same; the HLO and the memory are the same, byte for byte (test_gpu_program's
 # test_kernels_kept_in_the_cache_or_left_unassembled_make_the_same_program). Its kernels are
 # kept apart from ptxas's in the run's cache. ptxas assembles, as for a user, the commands
-# tests run (`run_main`, `run_cli`, the notebooks) and what runs under `real_ptxas`: the
-# published MoE program (our Triton kernels), the FP8 programs, the kernel cache's test.
+# tests run (`run_main`, `run_cli`, the notebooks), the programs tests compile themselves
+# (test_grouped_matmul's: our Triton kernels, at the published MoE model's shapes) and what
+# runs under `real_ptxas` (the FP8 programs, the kernel cache's test).
 PTXAS = shutil.which('ptxas') or '/usr/local/cuda/bin/ptxas'
 PTXAS_STAND_IN = os.path.join(RUN_DIR, 'ptxas-stand-in')  # a CUDA directory: bin/ptxas
 if os.path.exists(PTXAS) and not os.path.exists(PTXAS_STAND_IN):
@@ -110,7 +111,7 @@ if os.path.exists(PTXAS) and not os.path.exists(PTXAS_STAND_IN):
 
 def _stand_in_kernel_file(setting, device):
   path = backends.gpu_kernel_file(setting, device)
-  return path and path.replace('.bin', '.stand-in.bin')
+  return path and '{}.stand-in{}'.format(*os.path.splitext(path))
 
 
 def _assemble_with_stand_in(on: bool):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import REPO, real_ptxas, small_config
+from conftest import REPO, small_config
 from jaxllm import backends, metrics
 from jaxllm.cli import load_config
 from jaxllm.config import moe_layers
@@ -48,11 +48,9 @@ def test_dispatch_bytes_are_the_analytic_figure(dispatch, mesh, capacity, remat)
 
 @pytest.fixture(scope='module')
 def qwen3_moe():
-  """(the compiled step, its report) of configs/qwen3_30b_a3b.py on 8 H100s, its kernels (our
-  Triton kernels among them) assembled by ptxas."""
+  """(the compiled step, its report) of configs/qwen3_30b_a3b.py on 8 H100s."""
   cfg = load_config(os.path.join(REPO, 'configs', 'qwen3_30b_a3b.py'))
-  with real_ptxas():
-    compiled = compile_step(cfg, backends.gpu_devices(H100, 8))
+  compiled = compile_step(cfg, backends.gpu_devices(H100, 8))
   return compiled, report(compiled, H100)
 
 
