@@ -14,6 +14,7 @@ import importlib.util
 import io
 import os
 import pickle
+import shlex
 import shutil
 import subprocess
 import sys
@@ -102,7 +103,7 @@ if os.path.exists(PTXAS) and not os.path.exists(PTXAS_STAND_IN):
   with open(os.path.join(PTXAS_STAND_IN + '.partial', 'bin', 'ptxas'), 'w') as f:
     f.write('#!/bin/sh\n'
             '# An empty file where XLA asks ptxas for a kernel (-o FILE); the version is ptxas\'s.\n'
-            f'[ "$1" = --version ] && exec {PTXAS} --version\n'
+            f'[ "$1" = --version ] && exec {shlex.quote(PTXAS)} --version\n'
             'while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2" && exit 0; shift; done\n'
             'echo "ptxas stand-in: no -o FILE it could write" >&2; exit 1\n')
     os.fchmod(f.fileno(), 0o755)
