@@ -116,7 +116,7 @@ def _stand_in_kernel_file(setting, device):
 
 
 def _assemble_with_stand_in(on: bool):
-  if on and os.path.exists(PTXAS_STAND_IN):
+  if on and os.access(os.path.join(PTXAS_STAND_IN, 'bin', 'ptxas'), os.X_OK):  # (not noexec)
     compile_module.COMPILE_OPTIONS['xla_gpu_cuda_data_dir'] = PTXAS_STAND_IN
     compile_module.gpu_kernel_file = _stand_in_kernel_file
   else:
